@@ -1,0 +1,41 @@
+# specgate: every target is idempotent from a fresh clone.
+#   make serve   set up, pull + verify the default models, serve on 127.0.0.1:8000
+#   make test    set up, pull the models for the slow tests, start redis if needed, run every test
+#   make bench   set up and run the CPU benchmarks (GPU ones: see bench/README.md)
+
+PYTHON     ?= python3
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+# CPU torch where there is no GPU. On this project's machines pip finds the CPU build of this
+# version locally; elsewhere add the CPU wheel index through TORCH_PIP_ARGS.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench models lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,embeddings]"
+	touch $@
+
+models: install
+	$(VENV)/bin/specgate models pull
+
+serve: models
+	$(VENV)/bin/specgate serve
+
+test: models
+	scripts/ensure-redis.sh
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: models
+	$(PY) -m bench.cpu_engine
+
+lint: install
+	$(VENV)/bin/ruff check gateway decoding router tests bench
+	$(VENV)/bin/mypy

@@ -1,0 +1,1 @@
+"""Speculative decoding engine: drafters, verification, the step loop and the async facade."""

@@ -1,0 +1,98 @@
+"""Per-request choice of k, and the goodput check that turns speculation off when it does not pay.
+
+Expected tokens per verification with per-token acceptance a and k drafts (Leviathan et al. 2023,
+eq. 1): E(k) = (1 - a^(k+1)) / (1 - a). A step costs k * t_draft + t_verify(k), so speculation
+with k is worth E(k) / (k * t_draft + t_verify(k)) tokens/s against 1 / t_plain for plain decoding.
+All three times are measured on this request as it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA = 0.3  # weight of the newest observation
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new
+
+
+def expected_tokens(a: float, k: int) -> float:
+    if a >= 1.0:
+        return k + 1.0
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass
+class SpecController:
+    k_max: int
+    adaptive: bool = True
+    speculate: bool = True  # False: the request asked for plain decoding
+    min_speedup: float = 1.0  # speculate only when predicted goodput beats plain by this factor
+    probe_every: int = 16  # while off, retry speculation after this many plain steps
+    accepted_w: float = 1.0  # decayed counts behind the acceptance estimate (a prior of a = 0.5)
+    rejected_w: float = 1.0
+    t_draft: float | None = None  # seconds per drafted token
+    t_plain: float | None = None  # seconds per 1-token target step
+    t_verify: dict[int, float] = field(default_factory=dict)  # seconds per (k+1)-token verification
+    off_steps: int = 0  # plain steps since the goodput check switched speculation off
+    switched_off: bool = False
+    steps: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_w / (self.accepted_w + self.rejected_w)
+
+    def choose_k(self) -> int:
+        """0 means a plain step."""
+        self.steps += 1
+        if not self.speculate:
+            return 0
+        if not self.adaptive:
+            return self.k_max
+        if self.steps == 2 and self.t_plain is None:
+            return 0  # one early plain step measures what speculation must beat
+        if self.switched_off:
+            if self.off_steps < self.probe_every:
+                self.off_steps += 1
+                return 0
+            self.switched_off, self.off_steps = False, 0
+            return self._best_k()[0]  # probe: measure speculation again
+        k, rate = self._best_k()
+        if self.t_plain is not None and rate * self.min_speedup < 1.0 / self.t_plain and self.t_draft is not None:
+            self.switched_off = True
+            self.off_steps = 1
+            return 0
+        return k
+
+    def _t_verify(self, k: int) -> float | None:
+        if k in self.t_verify:
+            return self.t_verify[k]
+        if not self.t_verify:
+            return self.t_plain
+        nearest = min(self.t_verify, key=lambda j: abs(j - k))
+        return self.t_verify[nearest]
+
+    def _best_k(self) -> tuple[int, float]:
+        if self.t_draft is None:
+            return min(4, self.k_max), 0.0
+        a = self.acceptance
+        best_k, best_rate = 1, -1.0
+        for k in range(1, self.k_max + 1):
+            tv = self._t_verify(k) or 0.0
+            cost = k * self.t_draft + tv
+            rate = expected_tokens(a, k) / cost if cost > 0 else float("inf")
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def observe(self, k: int, accepted: int, t_draft: float, t_target: float) -> None:
+        """One step's outcome: k drafted (0 for plain), accepted of them, and the two timings."""
+        if k == 0:
+            self.t_plain = _ema(self.t_plain, t_target)
+            return
+        self.t_draft = _ema(self.t_draft, t_draft / k)
+        self.t_verify[k] = _ema(self.t_verify.get(k), t_target)
+        # decay old evidence so acceptance tracks the text being generated now
+        self.accepted_w = 0.9 * self.accepted_w + accepted
+        self.rejected_w = 0.9 * self.rejected_w + (1 if accepted < k else 0)

@@ -1,0 +1,249 @@
+"""The synchronous core: one speculative step of one sequence.
+
+A sequence's target KV cache always holds every committed token but the last ("pending") one. A step
+feeds [pending, d_1..d_k] to the target in one forward pass, verifies, and cuts the cache back to the
+committed length, so a rejected draft costs nothing later and the prompt is never recomputed. A plain
+step is the same with k = 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.controller import SpecController
+from decoding.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
+from decoding.errors import PromptTooLong, UnknownModel
+from decoding.params import (
+    FinishReason,
+    GenerationRequest,
+    RequestStats,
+    SpecMode,
+    StepOutput,
+    TokenLogprob,
+)
+from decoding.runner import EagerRunner, SequenceRunner
+from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
+from decoding.verify import verify_greedy, verify_sampling
+
+RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
+
+
+@dataclass
+class LoadedModel:
+    """A resident model. ``draft`` names another resident model used as its draft (may be None)."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    draft: str | None = None
+    max_context: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    runner_factory: RunnerFactory = EagerRunner
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    target: LoadedModel
+    runner: SequenceRunner
+    drafter: Drafter | None
+    controller: SpecController
+    generator: torch.Generator
+    counts: torch.Tensor  # [V] completion-token counts (penalties)
+    tokens: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    prefilled: bool = False
+    finished: FinishReason | None = None
+    aborted: bool = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens) - self.stats.prompt_tokens
+
+    def release(self) -> None:
+        self.runner.release()
+        if self.drafter is not None:
+            self.drafter.release()
+
+
+class Engine:
+    def __init__(self, models: dict[str, LoadedModel], ngram_max: int = 3):
+        self.models = models
+        self.ngram_max = ngram_max
+        self.total_steps = 0  # target forward passes, all requests (observability, tests)
+
+    def model(self, name: str) -> LoadedModel:
+        if name not in self.models:
+            raise UnknownModel(name, sorted(self.models))
+        return self.models[name]
+
+    def check(self, request: GenerationRequest) -> LoadedModel:
+        """Everything that can refuse a request before any model work."""
+        target = self.model(request.model)
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + request.params.max_tokens > target.max_context:
+            raise PromptTooLong(n, request.params.max_tokens, target.max_context)
+        return target
+
+    def start(self, request: GenerationRequest) -> Sequence:
+        target = self.check(request)
+        device = target.device
+        generator = torch.Generator(device=device)
+        if request.params.seed is not None:
+            generator.manual_seed(request.params.seed)
+        else:
+            generator.seed()
+        drafter = self._drafter(target, request)
+        controller = SpecController(
+            k_max=request.spec.max_k, adaptive=request.spec.adaptive, speculate=drafter is not None
+        )
+        seq = Sequence(
+            request=request,
+            target=target,
+            runner=target.runner_factory(target.model),
+            drafter=drafter,
+            controller=controller,
+            generator=generator,
+            counts=torch.zeros(target.vocab_size, dtype=torch.long, device=device),
+            tokens=list(request.prompt_token_ids),
+        )
+        seq.stats.prompt_tokens = len(request.prompt_token_ids)
+        seq.stats.drafter = drafter.name if drafter else "none"
+        return seq
+
+    def _drafter(self, target: LoadedModel, request: GenerationRequest) -> Drafter | None:
+        mode = request.spec.mode
+        if mode == SpecMode.OFF:
+            return None
+        if mode == SpecMode.AUTO:
+            mode = SpecMode.DRAFT if target.draft else SpecMode.NGRAM
+        if mode == SpecMode.NGRAM:
+            return PromptLookupDrafter(target.device, max_ngram=self.ngram_max)
+        if target.draft is None:
+            return PromptLookupDrafter(target.device, max_ngram=self.ngram_max)
+        draft = self.model(target.draft)
+        return DraftModelDrafter(draft.runner_factory(draft.model), draft.device)
+
+    @torch.inference_mode()
+    def step(self, seq: Sequence) -> StepOutput:
+        """One verification (or plain) step; the returned tokens are this step's SSE chunk."""
+        req, params = seq.request, seq.request.params
+        if not seq.prefilled:
+            t0 = time.perf_counter()
+            if len(seq.tokens) > 1:
+                seq.runner.forward(seq.tokens[:-1], logits=False)
+            seq.stats.prefill_s = time.perf_counter() - t0
+            seq.prefilled = True
+
+        t0 = time.perf_counter()
+        k = seq.controller.choose_k()
+        remaining = params.max_tokens - seq.completion_tokens
+        k = min(k, remaining - 1)  # never draft past max_tokens
+        if k > 0 and seq.drafter is not None:
+            proposal = seq.drafter.propose(seq.tokens, k, params, seq.counts, seq.generator)
+            draft_tokens, draft_probs = proposal.tokens, proposal.probs
+        else:
+            draft_tokens = torch.zeros(0, dtype=torch.long, device=seq.target.device)
+            draft_probs = None
+        t1 = time.perf_counter()
+        kk = int(draft_tokens.shape[0])
+
+        n_before = len(seq.tokens)
+        logits = seq.runner.forward([seq.tokens[-1], *draft_tokens.tolist()])  # [kk+1, V]
+        assert logits is not None
+        processed = apply_penalties(logits, seq.counts, draft_tokens, params)
+        if params.greedy:
+            n, new = verify_greedy(draft_tokens, processed)
+        else:
+            n, new = verify_sampling(draft_tokens, draft_probs, probs_from_logits(processed, params), seq.generator)
+        new_list = new.tolist()  # the one host sync of the step
+        seq.runner.crop(n_before + n)
+        if seq.drafter is not None:
+            seq.drafter.rollback(n_before + n)
+        t2 = time.perf_counter()
+
+        seq.controller.observe(kk, n, t1 - t0, t2 - t1)
+        self.total_steps += 1
+        self._record(seq.stats, kk, n, t2 - t0)
+        if kk == 0 and seq.controller.switched_off:
+            seq.stats.spec_disabled_steps += 1
+
+        new_list, finish = self._truncate(seq, new_list)
+        logprobs = None
+        if params.logprobs is not None and new_list:
+            rows = logprobs_of(logits[: len(new_list)], new[: len(new_list)], params.logprobs)
+            logprobs = [
+                TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)
+            ]
+        seq.tokens.extend(new_list)
+        if new_list:
+            seq.counts[torch.tensor(new_list, device=seq.counts.device)] += 1
+        seq.stats.completion_tokens = seq.completion_tokens
+        seq.finished = finish
+        return StepOutput(
+            request_id=req.request_id,
+            token_ids=new_list,
+            drafted=kk,
+            accepted=n,
+            logprobs=logprobs,
+            finish_reason=finish,
+            stats=seq.stats if finish else None,
+        )
+
+    def _truncate(self, seq: Sequence, new: list[int]) -> tuple[list[int], FinishReason | None]:
+        params = seq.request.params
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(seq.target.eos_token_ids)
+        for i, t in enumerate(new):
+            if t in stops:
+                return new[:i], FinishReason.STOP  # the stop token itself is not output
+        remaining = params.max_tokens - seq.completion_tokens
+        if len(new) >= remaining:
+            return new[:remaining], FinishReason.LENGTH
+        return new, None
+
+    @staticmethod
+    def _record(stats: RequestStats, k: int, n: int, seconds: float) -> None:
+        stats.steps += 1
+        stats.decode_s += seconds
+        if k == 0:
+            return
+        stats.spec_steps += 1
+        stats.drafted += k
+        stats.accepted += n
+        while len(stats.drafted_by_position) < k:
+            stats.drafted_by_position.append(0)
+            stats.accepted_by_position.append(0)
+        for i in range(k):
+            stats.drafted_by_position[i] += 1
+            if i < n:
+                stats.accepted_by_position[i] += 1
+
+    def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:
+        """Run one request to the end (CLI, benchmarks, tests)."""
+        seq = self.start(request)
+        try:
+            out: list[int] = []
+            while True:
+                step = self.step(seq)
+                out.extend(step.token_ids)
+                if step.finish_reason is not None:
+                    return out, seq.stats, step.finish_reason
+        finally:
+            seq.release()

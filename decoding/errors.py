@@ -1,0 +1,54 @@
+"""The engine's exceptions. The gateway maps each to one OpenAI error in one place.
+
+    EngineError
+    ├── UnknownModel          -> 404 model_not_found
+    ├── PromptTooLong         -> 400 context_length_exceeded
+    ├── EngineOverloaded      -> 429/503 with Retry-After
+    ├── EngineStopped         -> 503
+    └── ModelLoadError
+        └── VocabMismatch     (a draft whose vocabulary differs from its target's)
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    pass
+
+
+class UnknownModel(EngineError):
+    def __init__(self, model: str, available: list[str]):
+        super().__init__(f"The model '{model}' does not exist. Available: {', '.join(available) or 'none'}")
+        self.model = model
+
+
+class PromptTooLong(EngineError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int):
+        super().__init__(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context = context
+
+
+class EngineOverloaded(EngineError):
+    def __init__(self, queued: int):
+        super().__init__(f"The server is overloaded ({queued} requests waiting); please retry shortly.")
+        self.queued = queued
+
+
+class EngineStopped(EngineError):
+    pass
+
+
+class ModelLoadError(EngineError):
+    pass
+
+
+class VocabMismatch(ModelLoadError):
+    def __init__(self, target: str, draft: str, detail: str):
+        super().__init__(
+            f"draft model '{draft}' cannot speculate for target '{target}': their vocabularies differ ({detail})"
+        )

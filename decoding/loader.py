@@ -1,0 +1,136 @@
+"""From a model name in the configuration to a resident ``LoadedModel``.
+
+A name is, in order: an alias of a pinned model (pulled into the store when missing), a tiny random
+model (built on first use), a local Hugging Face directory, a local ``.gguf`` file, or a hub id
+(ordinary transformers behaviour where the machine is online).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from decoding import store, tiny
+from decoding.engine import LoadedModel
+from decoding.errors import ModelLoadError, VocabMismatch
+
+log = logging.getLogger("specgate.loader")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # served name
+    source: str  # alias, directory, .gguf file or hub id
+    draft: str | None = None  # served name of another model used as this one's draft
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and CPU, float32 where bf16 is unsupported
+    device: str = "auto"
+    max_context: int | None = None
+
+
+def resolve(source: str, pull: bool = True) -> tuple[Path | str, str | None]:
+    """(path or hub id, gguf file name or None)."""
+    alias = store.canonical(source)
+    if alias in store.PINNED:
+        if not store.is_cached(alias):
+            if not pull:
+                raise ModelLoadError(f"model '{source}' is not in the store; run `specgate models pull {alias}`")
+            store.pull(alias)
+        return store.model_dir(alias), None
+    if alias in tiny.TINY:
+        d = store.model_dir(alias)
+        if not (d / "config.json").exists():
+            d.parent.mkdir(parents=True, exist_ok=True)
+            tiny.build(alias, d)
+        return d, None
+    p = Path(source).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p.parent, p.name
+    if p.is_dir():
+        return p, None
+    return source, None  # a hub id: transformers decides (offline machines fail with its message)
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16
+    try:
+        value = getattr(torch, dtype)
+    except AttributeError:
+        value = None
+    if not isinstance(value, torch.dtype):
+        raise ModelLoadError(f"unknown dtype '{dtype}' (use auto, bfloat16, float16 or float32)")
+    return value
+
+
+def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
+    t0 = time.perf_counter()
+    where, gguf = resolve(spec.source, pull=pull)
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
+    model.to(device).eval()
+    config_ctx = getattr(model.config, "max_position_embeddings", None) or 4096
+    eos = _eos_ids(model, tokenizer)
+    log.info("loaded %s from %s on %s/%s in %.1fs", spec.name, where, device, dtype, time.perf_counter() - t0)
+    return LoadedModel(
+        name=spec.name,
+        model=model,
+        tokenizer=tokenizer,
+        draft=spec.draft,
+        max_context=spec.max_context or int(config_ctx),
+        eos_token_ids=eos,
+    )
+
+
+def _eos_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        v = getattr(source, "eos_token_id", None)
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list):
+            ids.update(int(x) for x in v)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    # chat models end a turn with a dedicated token that is not always the configured eos
+    for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(special)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and special in tokenizer.get_vocab():
+            ids.add(tid)
+    return tuple(sorted(ids))
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose vocabulary differs from its target's (tokens would mean different text)."""
+    if target.vocab_size != draft.vocab_size:
+        raise VocabMismatch(target.name, draft.name, f"{target.vocab_size} vs {draft.vocab_size} logits")
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        diff = len(set(tv.items()) ^ set(dv.items()))
+        raise VocabMismatch(target.name, draft.name, f"{diff} token entries differ")
+
+
+def load_all(specs: list[ModelSpec], pull: bool = True) -> dict[str, LoadedModel]:
+    models = {s.name: load(s, pull=pull) for s in specs}
+    for m in models.values():
+        if m.draft is not None:
+            if m.draft not in models:
+                raise ModelLoadError(f"model '{m.name}' names draft '{m.draft}', which is not configured")
+            check_pair(m, models[m.draft])
+    return models

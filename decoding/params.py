@@ -1,0 +1,146 @@
+"""Plain request and output types shared by the engine and everything that talks to it.
+
+No torch here: the gateway and router import these without pulling in the model stack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SpecMode(str, Enum):
+    """How a request is decoded. ``auto`` lets the engine pick: the draft model when the target
+    has one, else prompt lookup."""
+
+    AUTO = "auto"
+    OFF = "off"
+    DRAFT = "draft"
+    NGRAM = "ngram"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob plus N alternatives
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    mode: SpecMode = SpecMode.AUTO
+    max_k: int = 8  # upper bound for the adaptive k
+    adaptive: bool = True  # False: always propose max_k tokens (benchmarks, tests)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_k <= 32:
+            raise ValueError(f"speculative.max_k must be in [1, 32], got {self.max_k}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    model: str  # name of a local model known to the engine
+    prompt_token_ids: list[int]
+    params: SamplingParams = SamplingParams()
+    spec: SpecParams = SpecParams()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestStats:
+    """What speculation did for one request. ``accepted_by_position[i]`` counts steps whose
+    i-th drafted token was accepted; ``drafted_by_position[i]`` steps that drafted an i-th token."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0  # target forward passes after prefill (verifications and plain steps)
+    spec_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    spec_disabled_steps: int = 0  # plain steps taken because the goodput check switched speculation off
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    drafter: str = "none"
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Tokens emitted per target forward pass (accepted drafts plus the corrected/bonus token)."""
+        return self.completion_tokens / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "drafter": self.drafter,
+            "steps": self.steps,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_per_step": round(self.mean_accepted_per_step, 4),
+            "accepted_by_position": list(self.accepted_by_position),
+            "drafted_by_position": list(self.drafted_by_position),
+            "spec_disabled_steps": self.spec_disabled_steps,
+        }
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop token id (stop strings are the gateway's, on text)
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class StepOutput:
+    """One engine step for one request: the tokens accepted by this verification (one SSE chunk)."""
+
+    request_id: str
+    token_ids: list[int]
+    drafted: int = 0
+    accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stats: RequestStats | None = None  # set on the final output
+    error: str | None = None  # set with finish_reason ERROR

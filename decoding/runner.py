@@ -1,0 +1,99 @@
+"""One sequence's view of a causal LM: a KV cache that grows with forward passes and is cut back
+after a verification rejects drafted tokens.
+
+The eager runner uses transformers' DynamicCache (``crop`` cuts it back). The CUDA fast path
+(``decoding.fast``) provides the same three methods over a static cache captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class SequenceRunner(Protocol):
+    @property
+    def length(self) -> int:
+        """Tokens held in the KV cache."""
+        ...
+
+    def forward(self, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
+        """Append ``tokens`` to the cache; return their next-token logits [len(tokens), V]
+        (``logits=False``: prefill, nothing returned and no [T, V] tensor built)."""
+        ...
+
+    def crop(self, length: int) -> None:
+        """Forget everything after the first ``length`` cached tokens."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class EagerRunner:
+    def __init__(self, model: PreTrainedModel, prefill_chunk: int = 512):
+        self.model = model
+        self.device = model.device
+        self.cache = DynamicCache(config=model.config)
+        self._length = 0
+        self.prefill_chunk = prefill_chunk
+        self._cache_kw = cache_kwarg(model)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
+        outs = []
+        # Chunked prefill bounds peak activation memory on long prompts, and a prefill keeps one
+        # row of logits: [T, 151936] float32 for a long prompt would be gigabytes.
+        for start in range(0, len(tokens), self.prefill_chunk):
+            chunk = tokens[start : start + self.prefill_chunk]
+            ids = torch.tensor([chunk], device=self.device)  # [1, T]
+            pos = torch.arange(self._length, self._length + len(chunk), device=self.device)[None]
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=0 if logits else 1,  # 0 keeps all
+                **{self._cache_kw: self.cache},
+            )
+            self._length += len(chunk)
+            if logits:
+                outs.append(out.logits[0])  # [T, V]
+        if not logits:
+            return None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def crop(self, length: int) -> None:
+        assert 0 <= length <= self._length, f"crop to {length} outside cache of {self._length}"
+        if length < self._length:
+            _crop_dynamic_cache(self.cache, length)
+            self._length = length
+
+    def release(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self._length = 0
+
+
+def _crop_dynamic_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer.
+
+    Written here because ``DynamicCache.crop`` changed meaning within transformers 5.x (an absolute
+    length before, a negative count of tokens to drop in 5.2x); slicing the layers' tensors means
+    the same thing in every version that has ``cache.layers``.
+    """
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.numel():
+            layer.keys = keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` in 5.2x; pass whichever this one takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

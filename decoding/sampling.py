@@ -1,0 +1,73 @@
+"""Turning logits into the distribution a request samples from.
+
+The same function shapes draft and target logits: speculative sampling is only lossless when the
+draft distribution p and the target distribution q are both the *processed* distributions
+(temperature, penalties, top-k, top-p) of their models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.params import SamplingParams
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [T, V]
+    counts: torch.Tensor,  # [V] completion-token counts before position 0
+    window: torch.Tensor,  # [T-1] tokens that sit between positions (drafted tokens)
+    params: SamplingParams,
+) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over generated tokens, per position of a window.
+
+    Row t sees the counts plus ``window[:t]``: a verification step scores k+1 positions whose
+    histories differ by the drafted tokens before them.
+    """
+    if not params.penalised:
+        return logits
+    T, V = logits.shape
+    per_pos = counts.to(logits.dtype).expand(T, V).clone()  # [T, V]
+    if T > 1:
+        onehot = torch.nn.functional.one_hot(window[: T - 1], V).to(logits.dtype)  # [T-1, V]
+        per_pos[1:] += onehot.cumsum(0)
+    return logits - params.frequency_penalty * per_pos - params.presence_penalty * (per_pos > 0).to(logits.dtype)
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[T, V] logits -> [T, V] float32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float()
+    if params.temperature > 0:
+        logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token once the mass strictly before it already reaches top_p (the first always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[T, V] -> [T] one draw per row."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int  # [T, V], [T]
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Log-probabilities of the raw model distribution (as OpenAI and vLLM report them)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    chosen = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    if top_n > 0:
+        top = torch.topk(lp, top_n, dim=-1)
+        vals, ids = top.values.tolist(), top.indices.tolist()
+        for t, c in enumerate(chosen):
+            out.append((c, list(zip(ids[t], vals[t], strict=True))))
+    else:
+        out = [(c, []) for c in chosen]
+    return out

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random models (built once, deterministic) and the real pair (slow tests)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """Float32 tiny target, tiny draft, and the target drafting for itself (acceptance 1)."""
+    from decoding.loader import ModelSpec, load_all
+
+    return load_all(
+        [
+            ModelSpec("tiny", "tiny-random", draft="tiny-draft", dtype="float32", device="cpu"),
+            ModelSpec("tiny-draft", "tiny-random-draft", dtype="float32", device="cpu"),
+            ModelSpec("tiny-self", "tiny-random", draft="tiny", dtype="float32", device="cpu"),
+        ]
+    )
+
+
+@pytest.fixture(scope="session")
+def real_pair():
+    """The real Qwen2.5-Coder pair in float32 (slow tests only; pulled by `make test`)."""
+    from decoding import store
+    from decoding.loader import ModelSpec, load_all
+
+    for alias in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"):
+        if not store.is_cached(alias):
+            pytest.skip(f"{alias} not pulled (run `specgate models pull`)")
+    return load_all(
+        [
+            ModelSpec("target", "qwen2.5-coder-1.5b", draft="draft", dtype="float32", device="cpu"),
+            ModelSpec("draft", "qwen2.5-coder-0.5b", dtype="float32", device="cpu"),
+        ],
+        pull=False,
+    )

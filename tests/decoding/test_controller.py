@@ -1,0 +1,41 @@
+"""Adaptive k and the goodput check, driven with synthetic timings."""
+
+from __future__ import annotations
+
+from decoding.controller import SpecController, expected_tokens
+
+
+def drive(c: SpecController, steps: int, accept_all: bool, t_draft: float, t_target: float) -> list[int]:
+    ks = []
+    for _ in range(steps):
+        k = c.choose_k()
+        ks.append(k)
+        if k == 0:
+            c.observe(0, 0, 0.0, t_target)
+        else:
+            c.observe(k, k if accept_all else 0, k * t_draft, t_target)
+    return ks
+
+
+def test_expected_tokens():
+    assert expected_tokens(1.0, 4) == 5
+    assert abs(expected_tokens(0.5, 1) - 1.5) < 1e-12
+
+
+def test_cheap_draft_high_acceptance_climbs_to_k_max():
+    c = SpecController(k_max=8)
+    ks = drive(c, 30, accept_all=True, t_draft=0.01, t_target=0.1)
+    assert ks[-1] == 8
+    assert 0 not in ks[5:]
+
+
+def test_draft_as_costly_as_target_switches_speculation_off_then_probes():
+    c = SpecController(k_max=8, probe_every=4)
+    ks = drive(c, 30, accept_all=False, t_draft=0.1, t_target=0.1)
+    assert ks[10:].count(0) > len(ks[10:]) * 0.6
+    assert any(k > 0 for k in ks[10:])  # it keeps probing in case acceptance improves
+
+
+def test_fixed_k_and_off():
+    assert drive(SpecController(k_max=5, adaptive=False), 3, False, 1.0, 0.1) == [5, 5, 5]
+    assert drive(SpecController(k_max=5, speculate=False), 3, True, 0.0, 0.1) == [0, 0, 0]

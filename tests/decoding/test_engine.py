@@ -1,0 +1,159 @@
+"""The engine on tiny random models in float32: lossless greedy speculation, the cut-back cache,
+seeded sampling, the prompt-length check and the vocabulary check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding.drafters import lookup_ngram
+from decoding.engine import Engine
+from decoding.errors import PromptTooLong, UnknownModel, VocabMismatch
+from decoding.loader import check_pair
+from decoding.params import FinishReason, GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.runner import EagerRunner
+
+PROMPTS = ["hello wörld, write a poem", "def f(x):\n    return x * 2\n\ndef f(x):", "€€€ ünïcödé 日本語"]
+
+
+def encode(models, text: str) -> list[int]:
+    return models["tiny"].tokenizer(text)["input_ids"]
+
+
+def run(engine, model, ids, mode, k, adaptive=False, **params):
+    params.setdefault("max_tokens", 40)
+    params.setdefault("ignore_eos", True)
+    req = GenerationRequest("r", model, ids, SamplingParams(**params), SpecParams(SpecMode(mode), max_k=k, adaptive=adaptive))
+    return engine.generate(req)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("model,mode", [("tiny", "draft"), ("tiny", "ngram"), ("tiny-self", "draft")])
+def test_greedy_speculation_is_token_identical(tiny_models, prompt, k, model, mode):
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, prompt)
+    plain, _, _ = run(engine, "tiny", ids, "off", 1, temperature=0)
+    spec, stats, finish = run(engine, model, ids, mode, k, temperature=0)
+    assert spec == plain
+    assert finish == FinishReason.LENGTH and len(spec) == 40
+    assert stats.steps <= 40
+
+
+def test_self_draft_accepts_everything(tiny_models):
+    engine = Engine(tiny_models)
+    _, stats, _ = run(engine, "tiny-self", encode(tiny_models, PROMPTS[0]), "draft", 4, temperature=0)
+    assert stats.acceptance_rate == 1.0
+    assert stats.steps == 8  # 40 tokens at 5 per step
+    assert stats.accepted_by_position == [8, 8, 8, 8] or stats.accepted_by_position[:3] == [8, 8, 8]
+
+
+def test_adaptive_k_stays_lossless(tiny_models):
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[1])
+    plain, _, _ = run(engine, "tiny", ids, "off", 1, temperature=0, max_tokens=80)
+    for model in ("tiny", "tiny-self"):
+        spec, _, _ = run(engine, model, ids, "draft", 8, adaptive=True, temperature=0, max_tokens=80)
+        assert spec == plain
+
+
+def test_penalties_are_lossless_under_speculation(tiny_models):
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[0])
+    kw = dict(temperature=0, presence_penalty=0.7, frequency_penalty=0.4)
+    plain, _, _ = run(engine, "tiny", ids, "off", 1, **kw)
+    unpenalised, _, _ = run(engine, "tiny", ids, "off", 1, temperature=0)
+    assert plain != unpenalised  # the penalty changes the output at all
+    for model in ("tiny", "tiny-self"):
+        spec, _, _ = run(engine, model, ids, "draft", 4, **kw)
+        assert spec == plain
+
+
+@pytest.mark.parametrize("mode", ["off", "draft", "ngram"])
+def test_seed_reproduces_sampled_output(tiny_models, mode):
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[2])
+    kw = dict(temperature=0.9, top_p=0.95, top_k=50, seed=42)
+    a, _, _ = run(engine, "tiny", ids, mode, 3, **kw)
+    b, _, _ = run(engine, "tiny", ids, mode, 3, **kw)
+    c, _, _ = run(engine, "tiny", ids, mode, 3, **{**kw, "seed": 43})
+    assert a == b
+    assert a != c
+
+
+def test_sampled_speculation_matches_target_distribution(tiny_models):
+    """First two tokens under draft speculation vs plain sampling: same distribution (chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, "ab")
+    counts: dict[str, dict[tuple[int, ...], int]] = {"off": {}, "draft": {}}
+    for mode in counts:
+        for seed in range(300):
+            out, _, _ = run(engine, "tiny", ids, mode, 2, max_tokens=2, temperature=1.0, top_k=3, seed=seed)
+            key = tuple(out[:1])
+            counts[mode][key] = counts[mode].get(key, 0) + 1
+    keys = sorted(set(counts["off"]) | set(counts["draft"]))
+    table = [[counts[m].get(k, 0) + 1 for k in keys] for m in counts]
+    assert len(keys) >= 2
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_cut_back_cache_equals_fresh_forward(tiny_models):
+    m = tiny_models["tiny"]
+    ids = encode(tiny_models, PROMPTS[0])
+    runner = EagerRunner(m.model)
+    runner.forward(ids)
+    runner.forward([5, 6, 7, 8])  # four drafted tokens, then three rejected
+    runner.crop(len(ids) + 1)
+    cont = runner.forward([9, 10])
+    fresh = EagerRunner(m.model).forward([*ids, 5, 9, 10])
+    torch.testing.assert_close(cont, fresh[-2:], rtol=1e-4, atol=1e-4)
+
+
+def test_stop_token_ends_generation_without_emitting_it(tiny_models):
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[0])
+    full, _, _ = run(engine, "tiny", ids, "off", 1, temperature=0)
+    stop = full[5]
+    first = full.index(stop)
+    out, _, finish = run(engine, "tiny", ids, "draft", 4, temperature=0, stop_token_ids=(stop,))
+    assert finish == FinishReason.STOP
+    assert out == full[:first]
+
+
+def test_prompt_longer_than_context_is_refused_before_work(tiny_models):
+    engine = Engine(tiny_models)
+    ctx = tiny_models["tiny"].max_context
+    with pytest.raises(PromptTooLong) as e:
+        engine.check(GenerationRequest("r", "tiny", [1] * ctx, SamplingParams(max_tokens=1)))
+    assert str(ctx) in str(e.value)
+    assert engine.total_steps == 0
+
+
+def test_unknown_model(tiny_models):
+    with pytest.raises(UnknownModel):
+        Engine(tiny_models).check(GenerationRequest("r", "nope", [1], SamplingParams()))
+
+
+def test_mismatched_pair_is_refused_naming_both(tiny_models):
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from decoding import store
+
+    other = replace(tiny_models["tiny-draft"], name="odd-draft")
+    tok = AutoTokenizer.from_pretrained(store.model_dir("tiny-random-draft"))
+    tok.add_tokens(["<extra>"])
+    other.tokenizer = tok
+    with pytest.raises(VocabMismatch, match="odd-draft.*tiny|tiny.*odd-draft"):
+        check_pair(tiny_models["tiny"], other)
+
+
+def test_ngram_lookup_prefers_longest_latest_match():
+    import numpy as np
+
+    seq = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3])
+    assert lookup_ngram(seq, 3, max_ngram=3, min_ngram=1) == [4, 5, 7]  # "2 3" latest earlier -> 4
+    assert lookup_ngram(np.array([5, 6, 7]), 2, 3, 1) == []
