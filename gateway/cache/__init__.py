@@ -1,0 +1,1 @@
+"""Exact and semantic response cache (Redis, or in-process when no Redis is configured)."""

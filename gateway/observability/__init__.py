@@ -1,0 +1,1 @@
+"""Prometheus metrics, OpenTelemetry traces and request logs."""
