@@ -79,7 +79,7 @@ class DraftModelDrafter:
             drafted.append(tok)
             counts[tok] += 1
             if i < k - 1:
-                out = self.runner.forward([int(tok)])
+                out = self.runner.forward(tok)  # stays on the device: no sync per drafted token
                 assert out is not None
                 row = out[-1:]
         toks = torch.cat(drafted) if drafted else torch.zeros(0, dtype=torch.long, device=self.device)

@@ -79,6 +79,36 @@ class Sequence:
             self.drafter.release()
 
 
+class StepTimer:
+    """Draft and verification time of one step. On CUDA the work is asynchronous, so host clocks
+    would time kernel launches: events are recorded in-stream and read after the step's one sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            self.events[0].record()
+        else:
+            self.times = [time.perf_counter()]
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.times.append(time.perf_counter())
+
+    def done(self) -> tuple[float, float]:
+        """(draft seconds, verification seconds); call after the step's host sync."""
+        if self.cuda:
+            self.events[2].record()
+            self.events[2].synchronize()  # already complete: the step's read-back waited for it
+            e = self.events
+            return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
+        self.times.append(time.perf_counter())
+        t = self.times
+        return t[1] - t[0], t[2] - t[1]
+
+
 class Engine:
     def __init__(self, models: dict[str, LoadedModel], ngram_max: int = 3):
         self.models = models
@@ -150,7 +180,7 @@ class Engine:
             seq.stats.prefill_s = time.perf_counter() - t0
             seq.prefilled = True
 
-        t0 = time.perf_counter()
+        timer = StepTimer(seq.target.device)
         k = seq.controller.choose_k()
         remaining = params.max_tokens - seq.completion_tokens
         k = min(k, remaining - 1)  # never draft past max_tokens
@@ -160,26 +190,29 @@ class Engine:
         else:
             draft_tokens = torch.zeros(0, dtype=torch.long, device=seq.target.device)
             draft_probs = None
-        t1 = time.perf_counter()
+        timer.mark()
         kk = int(draft_tokens.shape[0])
 
         n_before = len(seq.tokens)
-        logits = seq.runner.forward([seq.tokens[-1], *draft_tokens.tolist()])  # [kk+1, V]
+        pending = torch.tensor([seq.tokens[-1]], dtype=torch.long, device=seq.target.device)
+        logits = seq.runner.forward(torch.cat([pending, draft_tokens]))  # [kk+1, V]
         assert logits is not None
         processed = apply_penalties(logits, seq.counts, draft_tokens, params)
         if params.greedy:
-            n, new = verify_greedy(draft_tokens, processed)
+            n_t, cand = verify_greedy(draft_tokens, processed)
         else:
-            n, new = verify_sampling(draft_tokens, draft_probs, probs_from_logits(processed, params), seq.generator)
-        new_list = new.tolist()  # the one host sync of the step
+            n_t, cand = verify_sampling(draft_tokens, draft_probs, probs_from_logits(processed, params), seq.generator)
+        n, *cand_list = torch.cat([n_t[None], cand]).tolist()  # the one host sync of the step
+        new_list = cand_list[: n + 1]
+        new = cand[: n + 1]
         seq.runner.crop(n_before + n)
         if seq.drafter is not None:
             seq.drafter.rollback(n_before + n)
-        t2 = time.perf_counter()
+        t_draft, t_target = timer.done()
 
-        seq.controller.observe(kk, n, t1 - t0, t2 - t1)
+        seq.controller.observe(kk, n, t_draft, t_target)
         self.total_steps += 1
-        self._record(seq.stats, kk, n, t2 - t0)
+        self._record(seq.stats, kk, n, t_draft + t_target)
         if kk == 0 and seq.controller.switched_off:
             seq.stats.spec_disabled_steps += 1
 

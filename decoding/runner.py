@@ -14,15 +14,26 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+Tokens = list[int] | torch.Tensor  # [T] on any device
+
+
+def as_ids(tokens: Tokens, device: torch.device) -> torch.Tensor:
+    """[T] long tensor on ``device``."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.to(device=device, dtype=torch.long)
+    return torch.tensor(tokens, dtype=torch.long, device=device)
+
+
 class SequenceRunner(Protocol):
     @property
     def length(self) -> int:
         """Tokens held in the KV cache."""
         ...
 
-    def forward(self, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
+    def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
         """Append ``tokens`` to the cache; return their next-token logits [len(tokens), V]
-        (``logits=False``: prefill, nothing returned and no [T, V] tensor built)."""
+        (``logits=False``: prefill, nothing returned and no [T, V] tensor built). A device tensor
+        of tokens is used where it is, without a host sync."""
         ...
 
     def crop(self, length: int) -> None:
@@ -46,14 +57,15 @@ class EagerRunner:
         return self._length
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], logits: bool = True) -> torch.Tensor | None:
+    def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
+        ids_all = as_ids(tokens, self.device)
         outs = []
         # Chunked prefill bounds peak activation memory on long prompts, and a prefill keeps one
         # row of logits: [T, 151936] float32 for a long prompt would be gigabytes.
-        for start in range(0, len(tokens), self.prefill_chunk):
-            chunk = tokens[start : start + self.prefill_chunk]
-            ids = torch.tensor([chunk], device=self.device)  # [1, T]
-            pos = torch.arange(self._length, self._length + len(chunk), device=self.device)[None]
+        for start in range(0, ids_all.shape[0], self.prefill_chunk):
+            ids = ids_all[None, start : start + self.prefill_chunk]  # [1, T]
+            T = ids.shape[1]
+            pos = torch.arange(self._length, self._length + T, device=self.device)[None]
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,
@@ -61,7 +73,7 @@ class EagerRunner:
                 logits_to_keep=0 if logits else 1,  # 0 keeps all
                 **{self._cache_kw: self.cache},
             )
-            self._length += len(chunk)
+            self._length += T
             if logits:
                 outs.append(out.logits[0])  # [T, V]
         if not logits:

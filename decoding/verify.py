@@ -5,8 +5,9 @@ Legend (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01
   *accepted*: drafted tokens the target keeps; *recovered*: the token drawn from norm(max(0, q - p))
   at the first rejection; *bonus*: the token drawn from q after all k drafts were accepted.
 
-Each call returns the tokens to append: the accepted drafts followed by exactly one recovered or
-bonus token, so every verification emits between 1 and k+1 tokens.
+Each call returns ``(n, tokens)`` as device tensors: ``n`` accepted drafts (0-d) and ``tokens`` [k+1],
+whose first n+1 entries are the accepted drafts followed by exactly one recovered or bonus token. Nothing
+here reads a tensor back to the host, so a step has a single sync: the caller's read of both at once.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from decoding.sampling import sample
 def verify_greedy(
     draft_tokens: torch.Tensor,  # [k]
     target_logits: torch.Tensor,  # [k+1, V] processed logits (penalties applied), any scale
-) -> tuple[int, torch.Tensor]:
-    """Accept while the target's argmax agrees with the draft. Returns (n_accepted, tokens[n+1])."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept while the target's argmax agrees with the draft.
+
+    Where they agree the draft token *is* the argmax, so the emitted tokens are argmax[: n+1].
+    """
     k = draft_tokens.shape[0]
     target_argmax = target_logits.argmax(-1)  # [k+1]
-    agree = (target_argmax[:k] == draft_tokens).int()
-    n = int(agree.cumprod(0).sum()) if k else 0
-    return n, torch.cat([draft_tokens[:n], target_argmax[n : n + 1]])
+    n = (target_argmax[:k] == draft_tokens).int().cumprod(0).sum()  # [] leading agreements
+    return n, target_argmax
 
 
 def verify_sampling(
@@ -33,30 +36,27 @@ def verify_sampling(
     draft_probs: torch.Tensor | None,  # [k, V]; None: the drafter is deterministic (prompt lookup)
     target_probs: torch.Tensor,  # [k+1, V]
     generator: torch.Generator | None,
-) -> tuple[int, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling: accept d_i with min(1, q/p); on rejection draw from norm(max(0, q - p)).
 
     A deterministic drafter proposes with p = one-hot(d_i), so acceptance is q(d_i) and the
     residual is q with d_i removed: still exactly the target distribution.
     """
-    k = draft_tokens.shape[0]
+    k, V = draft_tokens.shape[0], target_probs.shape[-1]
     idx = torch.arange(k, device=target_probs.device)
-    q = target_probs[idx, draft_tokens] if k else target_probs.new_zeros(0)  # [k]
     if draft_probs is None:
-        p = torch.ones_like(q)
-        p_full = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).to(target_probs.dtype)
-    else:
-        p = draft_probs[idx, draft_tokens]
-        p_full = draft_probs
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, V).to(target_probs.dtype)  # [k, V]
+    q = target_probs[idx, draft_tokens]  # [k]
+    p = draft_probs[idx, draft_tokens]  # [k]
     u = torch.rand(k, generator=generator, device=target_probs.device)  # [k]
-    accept = (u * p <= q).int()  # u < q/p without dividing by a possibly-zero p
-    n = int(accept.cumprod(0).sum()) if k else 0
-    if n < k:
-        residual = (target_probs[n] - p_full[n]).clamp_min(0)  # [V]
-        total = residual.sum()
-        # q == p exactly leaves no residual mass; any draw from q is then correct
-        dist = residual / total if total > 0 else target_probs[n]
-    else:
-        dist = target_probs[k]
-    last = sample(dist[None], generator)
-    return n, torch.cat([draft_tokens[:n], last])
+    n = (u * p < q).int().cumprod(0).sum()  # [] u < q/p, without dividing by p
+    # a zero row after the k drafts makes the bonus case (n == k) the same formula: residual = q[k]
+    p_pad = torch.cat([draft_probs, draft_probs.new_zeros(1, V)])  # [k+1, V]
+    residual = (target_probs[n] - p_pad[n]).clamp_min(0)  # [V]
+    total = residual.sum()
+    # q == p exactly leaves no residual mass; any draw from q is then correct
+    dist = torch.where(total > 0, residual / total.clamp_min(1e-30), target_probs[n])
+    last = sample(dist[None], generator)  # [1]
+    tokens = torch.cat([draft_tokens, last])  # [k+1]
+    tokens[n] = last[0]
+    return n, tokens

@@ -1,0 +1,35 @@
+"""The real Qwen2.5-Coder pair (slow): greedy speculation token-identical to the target alone, float32."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoding.engine import Engine
+from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in two sentences how a hash map handles collisions.",
+    "Rename the variable x to count in this code:\ndef f(x):\n    x = x + 1\n    return x * x\n",
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_real_pair_greedy_is_lossless(real_pair, prompt):
+    engine = Engine(real_pair)
+    tok = real_pair["target"].tokenizer
+    ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    def run(mode: str, k: int) -> tuple[list[int], float]:
+        req = GenerationRequest("r", "target", ids, SamplingParams(max_tokens=32, temperature=0), SpecParams(SpecMode(mode), max_k=k))
+        out, stats, _ = engine.generate(req)
+        return out, stats.acceptance_rate
+
+    plain, _ = run("off", 1)
+    draft, acceptance = run("draft", 4)
+    ngram, _ = run("ngram", 4)
+    assert draft == plain
+    assert ngram == plain
+    assert acceptance > 0.2  # a real draft of the same family agrees often; random would be ~0
