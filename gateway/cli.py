@@ -10,6 +10,8 @@ import argparse
 import logging
 import sys
 
+from router.cli import add_router_commands
+
 
 def _models_pull(args: argparse.Namespace) -> int:
     from decoding import store
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=_generate)
+    add_router_commands(sub)  # `specgate router calibrate` (router/cli.py)
     return p
 
 
