@@ -1,0 +1,303 @@
+"""The Starlette application: routes, the gateway middleware, error handlers, model loading.
+
+``create_app(settings, engine)`` serves an already-built ``AsyncEngine`` (tests); with
+``load_engine`` instead it starts answering at once (``/ready`` false) and loads models on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic.json_schema import models_json_schema
+from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from decoding.async_engine import AsyncEngine
+from gateway import protocol, serving
+from gateway.errors import APIError, error_response, to_api_error, unavailable
+from gateway.limits import RateLimiter
+from gateway.local import LocalBackend
+from gateway.serving import GatewayState
+from gateway.settings import Settings
+
+log = logging.getLogger("specgate.gateway")
+
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+PUBLIC_PATHS = frozenset({"/health"})
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def tenant_of(key: str) -> str:
+    """A tenant id from an API key: stable, and never the key itself (it ends up in logs and cache keys)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class GatewayMiddleware:
+    """Pure ASGI (so it also wraps streaming responses): x-request-id on every response, bearer
+    auth, the in-flight count the drain waits on, 503 while draining, and a 500 in OpenAI shape
+    for any fault that escapes a handler before its response started."""
+
+    def __init__(self, app: ASGIApp, state: GatewayState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope.get("headers") or [])
+        given = sent.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _CLIENT_ID.match(given) else f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                MutableHeaders(scope=message)["x-request-id"] = rid
+            await send(message)
+
+        path = scope["path"]
+        inference = path in INFERENCE_PATHS
+        try:
+            scope["state"]["tenant"] = self._tenant(path, sent.get(b"authorization", b""))
+            if inference and self.state.draining:
+                raise unavailable(
+                    "The server is shutting down; retry on another replica.",
+                    self.state.settings.limits.retry_after_s,
+                )
+            if inference:
+                self.state.inflight += 1
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                if inference:
+                    self.state.inflight -= 1
+        except Exception as exc:
+            if started:
+                raise
+            await error_response(to_api_error(exc))(scope, receive, send_with_id)
+
+    def _tenant(self, path: str, authorization: bytes) -> str:
+        keys = self.state.settings.auth.api_keys
+        if not keys or path in PUBLIC_PATHS:
+            return "anonymous"
+        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token:
+            # compare with every key (no early exit), each in constant time
+            matches = [hmac.compare_digest(token.encode(), k.encode()) for k in keys]
+            if any(matches):
+                return tenant_of(token)
+        raise APIError(
+            401,
+            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+# ---- small routes --------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    reason = "draining" if state.draining else ("loading" if state.backend is None else None)
+    if reason is not None:
+        return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+    return JSONResponse({"ready": True})
+
+
+def _model_ids(state: GatewayState) -> list[str]:
+    return state.backend.model_ids() if state.backend is not None else []
+
+
+async def list_models(request: Request) -> Response:
+    created = request.app.state.started
+    cards = [protocol.ModelCard(id=m, created=created) for m in _model_ids(_state(request))]
+    return JSONResponse(protocol.ModelList(data=cards).model_dump())
+
+
+async def get_model(request: Request) -> Response:
+    model_id = request.path_params["model_id"]
+    if model_id not in _model_ids(_state(request)):
+        raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+    return JSONResponse(protocol.ModelCard(id=model_id, created=request.app.state.started).model_dump())
+
+
+async def metrics(request: Request) -> Response:
+    # placeholder: observability registers its collectors into state.registry
+    return Response(generate_latest(_state(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def openapi_document() -> dict[str, Any]:
+    models = [
+        protocol.ChatCompletionRequest,
+        protocol.CompletionRequest,
+        protocol.ChatCompletion,
+        protocol.ChatCompletionChunk,
+        protocol.Completion,
+        protocol.ModelList,
+        protocol.ModelCard,
+        protocol.ErrorBody,
+    ]
+    _, schemas = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
+
+    def ref(name: str) -> dict[str, Any]:
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def op(summary: str, body: str | None, ok: str, stream: bool = False) -> dict[str, Any]:
+        content: dict[str, Any] = {"application/json": {"schema": ref(ok)}}
+        if stream:
+            content["text/event-stream"] = {
+                "schema": {"type": "string", "description": "SSE chunks, then [DONE]"}
+            }
+        out: dict[str, Any] = {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK", "content": content},
+                "default": {
+                    "description": "Error",
+                    "content": {"application/json": {"schema": ref("ErrorBody")}},
+                },
+            },
+        }
+        if body:
+            out["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(body)}}}
+        return out
+
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "specgate",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible gateway with speculative decoding",
+        },
+        "paths": {
+            "/v1/chat/completions": {
+                "post": op("Chat completion", "ChatCompletionRequest", "ChatCompletion", True)
+            },
+            "/v1/completions": {"post": op("Legacy completion", "CompletionRequest", "Completion", True)},
+            "/v1/models": {"get": op("List models", None, "ModelList")},
+            "/v1/models/{model_id}": {"get": op("One model", None, "ModelCard")},
+            "/health": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
+            "/ready": {
+                "get": {
+                    "summary": "Readiness",
+                    "responses": {
+                        "200": {"description": "ready"},
+                        "503": {"description": "loading or draining"},
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {"200": {"description": "text exposition"}},
+                }
+            },
+        },
+        "components": {"schemas": schemas.get("$defs", {})},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    err = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
+    return error_response(err)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+def create_app(
+    settings: Settings,
+    engine: AsyncEngine | None = None,
+    load_engine: Callable[[], AsyncEngine] | None = None,
+) -> Starlette:
+    """The app serving ``engine``, or the one ``load_engine`` builds (on a thread, after start)."""
+    state = GatewayState(
+        settings=settings,
+        limiter=RateLimiter(settings.limits.rpm, settings.limits.tpm),
+        registry=CollectorRegistry(),
+    )
+    if engine is not None:
+        state.backend = LocalBackend(engine, settings.limits.default_max_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = None
+        if state.backend is None and load_engine is not None:
+            task = asyncio.ensure_future(_load(app, state, load_engine))
+        yield
+        if task is not None:
+            task.cancel()
+
+    routes = [
+        Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+        Route("/v1/completions", serving.completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, APIError: _api_error},
+    )
+    app.add_middleware(GatewayMiddleware, state=state)
+    app.state.gateway = state
+    app.state.started = int(time.time())
+    app.state.openapi = openapi_document()
+    app.state.on_load_failure = None  # server.py sets this to stop the process
+    return app
+
+
+async def _load(app: Starlette, state: GatewayState, load_engine: Callable[[], AsyncEngine]) -> None:
+    try:
+        engine = await asyncio.to_thread(load_engine)
+    except Exception:
+        log.exception("could not load the models")
+        if app.state.on_load_failure is not None:
+            app.state.on_load_failure()
+        return
+    state.backend = LocalBackend(engine, state.settings.limits.default_max_tokens)
+    state.extra["engine"] = engine
+    log.info("models loaded: %s", ", ".join(engine.model_names))

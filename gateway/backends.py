@@ -1,0 +1,112 @@
+"""What serving talks to: a ``Backend`` turns a backend-neutral ``Job`` into text deltas.
+
+    serving.py  (HTTP shapes, SSE)  ──Job──▶  Backend.start(job) ──▶ Generation (async iterator of Delta)
+                                             ├── LocalBackend   (gateway/local.py: AsyncEngine on this box)
+                                             └── remote backends (router/: OpenAI-compatible upstreams)
+
+``start`` does every check that can refuse the job (unknown model, prompt too long, overload) and
+raises before returning, so serving can still answer with a plain HTTP error; nothing after
+``start`` returns may be a client error. A ``Generation`` must stop its work when closed early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from decoding.params import SpecParams
+
+
+@dataclass(frozen=True)
+class Job:
+    """One OpenAI request, validated and normalised (n, stops, token limit resolved)."""
+
+    request_id: str
+    kind: Literal["chat", "completion"]
+    model: str
+    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}], content as plain text
+    prompts: list[str | list[int]] | None = None  # completion: each prompt gets n choices
+    n: int = 1
+    max_tokens: int | None = None  # None: the backend's default, bounded by its context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
+    echo: bool = False  # completion: the prompt text precedes the completion
+    spec: SpecParams = field(default_factory=SpecParams)
+    granularity: Literal["step", "token"] = "step"
+    tenant: str = "anonymous"
+    user: str | None = None
+
+
+@dataclass
+class LogprobEntry:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """New output for one choice: one engine step (or one token with granularity ``token``)."""
+
+    index: int
+    text: str
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: str | None = None  # "stop" | "length" on the last delta of a choice
+    completion_tokens: int = 0  # tokens this delta accounts for (usage)
+
+
+@dataclass
+class Generation:
+    """A started job. Iterate for deltas of every choice, interleaved; ``aclose`` stops the work."""
+
+    prompt_tokens: int
+    deltas: AsyncIterator[Delta]
+    prompt_texts: list[str] = field(default_factory=list)  # completion echo: one per prompt
+    speculative: dict[str, Any] | None = None  # filled by the backend once every choice finished
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self.deltas
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.deltas, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class Backend(Protocol):
+    name: str
+
+    def model_ids(self) -> list[str]: ...
+
+    async def start(self, job: Job) -> Generation: ...
+
+
+@dataclass
+class Route:
+    """Where a job runs. The router (router/) returns one; without a router every job is local."""
+
+    backend: Backend
+    job: Job  # possibly rewritten by the router (model resolved, speculation strategy chosen)
+    label: str  # the x-specgate-route header value, e.g. "local:qwen2.5-coder-1.5b"
+
+
+class Router(Protocol):
+    """Seam for router/: ``app.state.gateway.router``. ``local`` is the local backend (None while loading)."""
+
+    async def route(self, job: Job, local: Backend | None) -> Route: ...
+
+
+class ResponseCache(Protocol):
+    """Seam for gateway/cache/: ``app.state.gateway.cache``. Non-streamed responses only (for now):
+    ``lookup`` before generation; ``store`` after a complete success. ``job.tenant`` scopes entries."""
+
+    async def lookup(self, job: Job) -> dict[str, Any] | None: ...
+
+    async def store(self, job: Job, body: dict[str, Any]) -> None: ...

@@ -1,0 +1,100 @@
+"""Token ids in, text out, safely: an incremental detokenizer and a stop-string matcher.
+
+``IncrementalDetokenizer`` decodes a sliding window of tokens (the approach vLLM takes in
+``detokenizer_utils``) so each new token costs a short decode rather than a decode of the whole
+output, and it holds text back while the window ends in U+FFFD: a multi-byte character split
+across byte-level tokens decodes to U+FFFD until its last byte arrives. Bytes that never become a
+character (random weights emit them) are released as U+FFFD once a later token proves them invalid,
+or at ``flush``; they never raise.
+
+``StopMatcher`` finds stop strings across token boundaries and never releases text that could be the
+start of a stop string: it holds back the longest tail of the pending text that is a prefix of any
+stop, so a stop's first characters cannot leak into a stream.
+
+Streaming and non-streaming responses both run text through these two classes, so the streamed
+deltas concatenate to exactly the non-streamed text by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+# Tokens of prompt context decoded with the output. Sentencepiece-style tokenizers drop a leading
+# space when a window starts at a word, so the window starts a few tokens back in the prompt.
+PROMPT_CONTEXT = 4
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], **kwargs: object) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None):
+        self.tokenizer = tokenizer
+        context = list(prompt_token_ids or [])[-PROMPT_CONTEXT:]
+        self.tokens: list[int] = context
+        self.prefix_offset = 0  # window start
+        self.read_offset = len(context)  # tokens before this were already released as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Text that ``token_id`` completes (often "", while a character is still incomplete)."""
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+            return ""  # nothing new, or a character still incomplete: hold back
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """Whatever is held back (bytes that never completed a character come out as U+FFFD)."""
+        if self.read_offset == len(self.tokens):
+            return ""
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return full[len(prefix) :]
+
+
+class StopMatcher:
+    """Feed text pieces; get back what is safe to send and whether a stop string ended the output."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.pending = self.pending[:cut], ""
+            return out
+        hold = self._held_tail()
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold :]
+        return out
+
+    def flush(self) -> str:
+        """End of output without a stop: the held tail was not a stop after all."""
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+    def _held_tail(self) -> int:
+        """Length of the longest tail of ``pending`` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(s[:n]):
+                    best = n
+                    break
+        return best

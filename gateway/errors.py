@@ -1,0 +1,118 @@
+"""Every failure becomes one OpenAI error object here, and only here.
+
+    APIError(status, message, type, param, code, headers)    what the client sees
+    ├── from decoding.errors (to_api_error):
+    │     UnknownModel      -> 404 invalid_request_error, code model_not_found, param model
+    │     PromptTooLong     -> 400 invalid_request_error, code context_length_exceeded, param messages|prompt
+    │     EngineOverloaded  -> 503 server_error, code overloaded, Retry-After
+    │     EngineStopped     -> 503 server_error, code unavailable, Retry-After
+    │     ValueError        -> 400 invalid_request_error (SamplingParams / SpecParams refusals)
+    ├── pydantic ValidationError -> 400 invalid_request_error, param from the error location
+    └── anything else       -> 500 server_error (a real fault; logged with its request id)
+
+Never a 5xx for a client's mistake: the SDK retries 5xx (and 408/409/429) twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from decoding.errors import EngineOverloaded, EngineStopped, PromptTooLong, UnknownModel
+from gateway.protocol import ErrorBody, ErrorDetail
+
+log = logging.getLogger("specgate.gateway")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorBody(error=detail).model_dump()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, retry_after: int, code: str = "unavailable") -> APIError:
+    return APIError(503, message, "server_error", code=code, headers={"Retry-After": str(retry_after)})
+
+
+def _loc(loc: tuple[int | str, ...]) -> str | None:
+    """pydantic's ('messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]"):
+            continue  # union branch names pydantic adds to a location
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def from_validation(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return bad_request(
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using "
+            "your HTTP library correctly. The OpenAI API expects a JSON payload.)"
+        )
+    param = _loc(tuple(first["loc"]))
+    if first["type"] == "model_type" and param is None:
+        return bad_request("The request body must be a JSON object.")
+    if first["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param=param)
+    value = first.get("input")
+    shown = repr(value) if not isinstance(value, dict | list) else type(value).__name__
+    return bad_request(f"Invalid value for '{param}': {first['msg']} (got {shown[:80]}).", param=param)
+
+
+def to_api_error(exc: BaseException, prompt_param: str = "messages", retry_after: int = 1) -> APIError:
+    """Map any exception raised while serving a request (the one translation point)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation(exc)
+    if isinstance(exc, UnknownModel):
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, PromptTooLong):
+        return bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, EngineOverloaded):
+        return unavailable(str(exc), retry_after, code="overloaded")
+    if isinstance(exc, EngineStopped):
+        return unavailable("The server is shutting down; retry on another replica.", retry_after)
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    log.error("unhandled error", exc_info=exc)
+    return APIError(500, "The server had an error while processing your request.", "server_error")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def error_event(exc: BaseException) -> dict[str, Any]:
+    """The one SSE event sent when generation fails after the 200 went out (then [DONE])."""
+    return to_api_error(exc).body()

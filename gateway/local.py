@@ -1,0 +1,259 @@
+"""The local backend: chat template -> token ids -> ``AsyncEngine`` -> safe text.
+
+Each choice runs in its own pump task (an engine request of its own; seeded ``seed + j`` so n seeded
+choices differ yet repeat), and the pumps feed one queue that ``Generation`` iterates. Closing the
+generation cancels the pumps, which leaves each engine iterator and so aborts the engine request
+within one step (the disconnect path, streaming or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from decoding.async_engine import AsyncEngine
+from decoding.errors import EngineStopped
+from decoding.params import FinishReason, GenerationRequest, RequestStats, SamplingParams, StepOutput
+from gateway.backends import Delta, Generation, Job, LogprobEntry
+from gateway.detokenize import IncrementalDetokenizer, StopMatcher
+
+_DONE = object()  # a pump finished its choice
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, engine: AsyncEngine, default_max_tokens: int = 512):
+        self.engine = engine
+        self.default_max_tokens = default_max_tokens
+
+    def model_ids(self) -> list[str]:
+        return self.engine.model_names
+
+    def tokenizer(self, model: str) -> Any:
+        return self.engine.engine.model(model).tokenizer  # raises UnknownModel
+
+    def _prompts(self, job: Job, tok: Any) -> list[tuple[list[int], str]]:
+        """(token ids, text) per prompt; text is what ``echo`` sends back."""
+        if job.kind == "chat":
+            enc = tok.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
+            ids = list(enc["input_ids"])
+            return [(ids, "")]
+        out = []
+        for p in job.prompts or []:
+            if isinstance(p, str):
+                out.append((list(tok(p)["input_ids"]), p))
+            else:
+                out.append((list(p), tok.decode(p, skip_special_tokens=True)))
+        return out
+
+    def _requests(self, job: Job, prompts: list[tuple[list[int], str]]) -> list[GenerationRequest]:
+        context = self.engine.engine.model(job.model).max_context
+        reqs = []
+        for p, (ids, _) in enumerate(prompts):
+            # no limit given: as many as fit, up to the server default (never a PromptTooLong for it)
+            max_tokens = job.max_tokens or max(1, min(self.default_max_tokens, context - len(ids)))
+            for j in range(job.n):
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=job.temperature,
+                    top_p=job.top_p,
+                    top_k=job.top_k,
+                    seed=None if job.seed is None else job.seed + j,
+                    presence_penalty=job.presence_penalty,
+                    frequency_penalty=job.frequency_penalty,
+                    logprobs=job.logprobs,
+                )
+                reqs.append(
+                    GenerationRequest(f"{job.request_id}-{p * job.n + j}", job.model, ids, params, job.spec)
+                )
+        return reqs
+
+    async def start(self, job: Job) -> Generation:
+        tok = self.tokenizer(job.model)
+        prompts = self._prompts(job, tok)
+        reqs = self._requests(job, prompts)
+        for r in reqs:
+            self.engine.engine.check(r)  # unknown model, empty or too long prompt: before any work
+        iters = [self.engine.generate(r) for r in reqs]
+        firsts = [asyncio.ensure_future(it.__anext__()) for it in iters]
+        # One loop turn runs each first __anext__ up to its wait for the first step: by then it has
+        # queued its request or raised (overload, shutdown), so refusals stay plain HTTP errors.
+        await asyncio.sleep(0)
+        failed = next((f.exception() for f in firsts if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            for f, it in zip(firsts, iters, strict=True):
+                await _close(f, it)
+            raise failed
+        stats: list[RequestStats] = []
+        gen = Generation(prompt_tokens=sum(len(ids) for ids, _ in prompts), deltas=_empty())
+        gen.prompt_texts = [text for _, text in prompts]
+        gen.deltas = self._merge(job, tok, reqs, iters, firsts, stats, gen)
+        return gen
+
+    async def _merge(
+        self,
+        job: Job,
+        tok: Any,
+        reqs: list[GenerationRequest],
+        iters: list[AsyncIterator[StepOutput]],
+        firsts: list[asyncio.Future[StepOutput]],
+        stats: list[RequestStats],
+        gen: Generation,
+    ) -> AsyncIterator[Delta]:
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        pumps = [
+            asyncio.ensure_future(self._pump(i, job, tok, r, it, f, queue, stats))
+            for i, (r, it, f) in enumerate(zip(reqs, iters, firsts, strict=True))
+        ]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    assert isinstance(item, Delta)
+                    yield item
+            gen.speculative = merge_stats(stats).as_dict()
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _pump(
+        self,
+        index: int,
+        job: Job,
+        tok: Any,
+        req: GenerationRequest,
+        steps: AsyncIterator[StepOutput],
+        first: asyncio.Future[StepOutput],
+        queue: asyncio.Queue[object],
+        stats: list[RequestStats],
+    ) -> None:
+        detok = IncrementalDetokenizer(tok, req.prompt_token_ids)
+        matcher = StopMatcher(list(job.stops))
+        seen = RequestStats(prompt_tokens=len(req.prompt_token_ids))
+        try:
+            step = await first
+            while True:
+                _observe(seen, step)
+                finish: str | None = None
+                texts: list[str] = []
+                used = 0  # tokens of this step before (and including) the one completing a stop
+                for tid in step.token_ids:
+                    texts.append(matcher.feed(detok.add(tid)))
+                    used += 1
+                    if matcher.stopped:
+                        finish = "stop"
+                        break
+                if finish is None and step.finish_reason is not None:
+                    if step.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                        raise EngineStopped(step.error or "generation was aborted by the engine")
+                    tail = matcher.feed(detok.flush())
+                    tail += matcher.flush()
+                    if texts:
+                        texts[-1] += tail
+                    else:
+                        texts.append(tail)
+                    finish = (
+                        "stop" if matcher.stopped or step.finish_reason == FinishReason.STOP else "length"
+                    )
+                seen.completion_tokens += used
+                lps = _logprobs(tok, step, used)
+                for delta in _split(index, texts, lps, used, job.granularity):
+                    queue.put_nowait(delta)
+                if finish is not None:
+                    queue.put_nowait(Delta(index, "", None, finish, 0))
+                    final = step.stats if step.finish_reason is not None and step.stats else seen
+                    final.completion_tokens = seen.completion_tokens
+                    stats.append(final)
+                    break
+                step = await steps.__anext__()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            await _close(first, steps)
+            queue.put_nowait(_DONE)
+
+
+async def _empty() -> AsyncIterator[Delta]:
+    return
+    yield
+
+
+async def _close(first: asyncio.Future[StepOutput], it: AsyncIterator[StepOutput]) -> None:
+    """Leave an engine iterator (aborting its request), also when its first step is still pending."""
+    if not first.done():
+        first.cancel()
+        await asyncio.wait({first})
+    if first.done() and not first.cancelled():
+        first.exception()  # mark retrieved: a refusal already reported elsewhere
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _observe(stats: RequestStats, step: StepOutput) -> None:
+    """Speculation stats from the steps seen, for a request left early (stop string) that never
+    receives the engine's final stats; the same bookkeeping as ``Engine._record``."""
+    stats.steps += 1
+    if step.drafted == 0:
+        return
+    stats.spec_steps += 1
+    stats.drafted += step.drafted
+    stats.accepted += step.accepted
+    while len(stats.drafted_by_position) < step.drafted:
+        stats.drafted_by_position.append(0)
+        stats.accepted_by_position.append(0)
+    for i in range(step.drafted):
+        stats.drafted_by_position[i] += 1
+        stats.accepted_by_position[i] += int(i < step.accepted)
+
+
+def merge_stats(parts: list[RequestStats]) -> RequestStats:
+    out = RequestStats(drafter=parts[0].drafter if parts else "none")
+    for s in parts:
+        for name in ("prompt_tokens", "completion_tokens", "steps", "spec_steps", "drafted", "accepted"):
+            setattr(out, name, getattr(out, name) + getattr(s, name))
+        out.spec_disabled_steps += s.spec_disabled_steps
+        for i, (d, a) in enumerate(zip(s.drafted_by_position, s.accepted_by_position, strict=True)):
+            if i == len(out.drafted_by_position):
+                out.drafted_by_position.append(0)
+                out.accepted_by_position.append(0)
+            out.drafted_by_position[i] += d
+            out.accepted_by_position[i] += a
+    return out
+
+
+def _logprobs(tok: Any, step: StepOutput, used: int) -> list[LogprobEntry] | None:
+    if step.logprobs is None:
+        return None
+
+    def text(tid: int) -> str:
+        return str(tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    return [
+        LogprobEntry(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
+        for lp in step.logprobs[:used]
+    ]
+
+
+def _split(
+    index: int, texts: list[str], lps: list[LogprobEntry] | None, used: int, granularity: str
+) -> list[Delta]:
+    """One delta for the step, or one per token (``stream_granularity: token``)."""
+    if used == 0 and not any(texts):
+        return []
+    if granularity == "token":
+        return [
+            Delta(index, t, None if lps is None else lps[i : i + 1], None, 1 if i < used else 0)
+            for i, t in enumerate(texts)
+        ]
+    return [Delta(index, "".join(texts), lps, None, used)]

@@ -1,0 +1,242 @@
+"""The OpenAI wire schemas (requests and responses), in one module.
+
+Requests validate strictly (OpenAI refuses ``"max_tokens": "5"``; so do we) and ignore unknown fields
+as OpenAI does. Parameters we cannot honour yet are declared so they can be refused by name
+(``UNSUPPORTED``) rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Declared on requests only to be refused with a 400 naming them (see serving.refuse_unsupported).
+UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "suffix",
+    "best_of",
+)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class SpeculativeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    mode: Literal["auto", "off", "draft", "ngram"] = "auto"
+    max_k: int | None = Field(default=None, ge=1, le=32)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    # "developer" is OpenAI's newer name for "system"; "tool" needs tools, which we refuse.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _Sampling(_Request):
+    """Fields shared by chat and legacy completions."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    # extra body fields (the SDK's extra_body)
+    top_k: int | None = Field(default=None, ge=0)
+    speculative: SpeculativeOptions | None = None
+    stream_granularity: Literal["step", "token"] | None = None
+    # refused by name when present
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    suffix: Any = None
+    best_of: Any = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative: dict[str, Any] | None = None  # RequestStats.as_dict(), merged over choices
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # serialised only with include_usage (then null except on the last)
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specgate"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail

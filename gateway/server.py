@@ -1,0 +1,115 @@
+"""``specgate serve``: settings, uvicorn, model loading after the port is open, SIGTERM drain.
+
+Drain (SIGTERM): readiness goes false and new inference requests get 503 at once, in-flight ones
+run to the end or until ``limits.drain_timeout_s``, then the server exits with status 0. A second
+SIGTERM, or SIGINT, exits the usual uvicorn way.
+
+sse-starlette patches uvicorn so that a shutdown signal ends every open stream immediately; that
+would cut in-flight streams short, so its automatic drain is disabled here and its exit flag is set
+only when our drain is over (see sse_starlette.sse.AppStatus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from sse_starlette.sse import AppStatus
+
+from gateway.app import create_app
+from gateway.serving import GatewayState
+from gateway.settings import Settings, SettingsError, load_settings
+
+log = logging.getLogger("specgate.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: GatewayState, drain_timeout_s: float):
+        super().__init__(config)
+        self.gateway = state
+        self.drain_timeout_s = drain_timeout_s
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_started = False
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._drain_started or self._loop is None:
+            AppStatus.should_exit = True
+            super().handle_exit(sig, frame)
+            return
+        self._drain_started = True
+        self.gateway.draining = True  # /ready false and new requests 503, from this instant
+        log.info(
+            "SIGTERM: draining %d in-flight request(s), up to %.0fs",
+            self.gateway.inflight,
+            self.drain_timeout_s,
+        )
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))  # type: ignore[union-attr]
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.gateway.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.gateway.inflight:
+            log.warning("drain timeout: %d request(s) still running are cut off", self.gateway.inflight)
+        AppStatus.should_exit = True  # ends any stream still open
+        self.should_exit = True
+
+    def fail(self) -> None:
+        """Model loading failed: nothing to serve."""
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def _build_engine(settings: Settings) -> Any:
+    from decoding.async_engine import AsyncEngine
+    from decoding.engine import Engine
+    from decoding.loader import ModelSpec, load_all
+
+    specs = [ModelSpec(m.name, m.source, m.draft, m.dtype, m.device, m.max_context) for m in settings.models]
+    engine = Engine(load_all(specs))
+    return AsyncEngine(engine, max_active=settings.limits.max_active, max_queued=settings.limits.max_queued)
+
+
+def serve(config: str | None = None, host: str | None = None, port: int | None = None, **flags: Any) -> int:
+    """Run the gateway until SIGTERM/SIGINT. ``flags`` are further settings overrides (nested dicts)."""
+    server_flags = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    overrides: dict[str, Any] = {k: v for k, v in flags.items() if v is not None}
+    if server_flags:
+        overrides["server"] = server_flags
+    try:
+        settings = load_settings(config, overrides)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # torch and transformers load here, before the port opens: loading weights is what /ready covers
+    import decoding.async_engine
+    import decoding.loader  # noqa: F401
+
+    AppStatus.disable_automatic_graceful_drain()
+    app = create_app(settings, load_engine=lambda: _build_engine(settings))
+    uv = uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )
+    server = DrainingServer(uv, app.state.gateway, settings.limits.drain_timeout_s)
+    app.state.on_load_failure = server.fail
+    server.run()
+    engine = app.state.gateway.extra.get("engine")
+    if engine is not None:
+        engine.shutdown()
+    return server.exit_code

@@ -1,0 +1,236 @@
+"""The inference handlers: body -> validated ``Job`` -> route -> backend -> response.
+
+Everything that can refuse a request (body size, schema, limits, rate, unknown model, prompt
+length, overload) happens before a 200 goes out; after it, a fault becomes one SSE error event and
+``[DONE]``. Hooks: ``state.router`` picks the backend, ``state.cache`` answers or stores
+non-streamed responses (see gateway/backends.py for both protocols).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from decoding.params import SpecMode, SpecParams
+from gateway.backends import Backend, Generation, Job, ResponseCache, Route, Router
+from gateway.errors import bad_request, error_event, error_response, to_api_error, unavailable
+from gateway.formatting import ChatFormat, CompletionFormat
+from gateway.limits import RateLimiter, read_body
+from gateway.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from gateway.settings import Settings
+
+
+@dataclass
+class GatewayState:
+    """``app.state.gateway``: what handlers share. Optional seams stay None until their owner sets them."""
+
+    settings: Settings
+    limiter: RateLimiter
+    registry: CollectorRegistry  # /metrics renders this; observability registers into it
+    backend: Backend | None = None  # the local backend; None while models load
+    router: Router | None = None
+    cache: ResponseCache | None = None
+    metrics: Any = None
+    draining: bool = False
+    inflight: int = 0  # inference requests being served (the SIGTERM drain waits for 0)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def to_job(
+    req: ChatCompletionRequest | CompletionRequest, request_id: str, tenant: str, settings: Settings
+) -> Job:
+    """Limits and refusals that depend on the server's settings, then the backend-neutral job."""
+    limits = settings.limits
+    for name in UNSUPPORTED:
+        if getattr(req, name, None) is not None:
+            raise bad_request(f"The parameter '{name}' is not supported by this server.", param=name)
+    if req.n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n}, got {req.n}.", param="n")
+    limit = req.token_limit
+    if limit is not None and limit > limits.max_max_tokens:
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        raise bad_request(f"{param} must be at most {limits.max_max_tokens}, got {limit}.", param=param)
+    if len(req.stops) > limits.max_stops:
+        raise bad_request(
+            f"At most {limits.max_stops} stop sequences are allowed, got {len(req.stops)}.", param="stop"
+        )
+    spec = SpecParams()
+    if req.speculative is not None:
+        spec = SpecParams(
+            mode=SpecMode(req.speculative.mode), max_k=req.speculative.max_k or SpecParams.max_k
+        )
+    common: dict[str, Any] = dict(
+        request_id=request_id,
+        model=req.model,
+        n=req.n,
+        max_tokens=limit,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stops=tuple(req.stops),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        spec=spec,
+        granularity=req.stream_granularity or settings.stream_granularity,
+        tenant=tenant,
+        user=req.user,
+    )
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+        ]
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return Job(kind="chat", messages=messages, logprobs=logprobs, **common)
+    prompts = _prompts(req.prompt)
+    return Job(kind="completion", prompts=prompts, logprobs=req.logprobs, echo=req.echo, **common)
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, ChatCompletionRequest, "messages")
+
+
+async def completions(request: Request) -> Response:
+    return await _serve(request, CompletionRequest, "prompt")
+
+
+async def _serve(
+    request: Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], prompt_param: str
+) -> Response:
+    state: GatewayState = request.app.state.gateway
+    settings = state.settings
+    retry = settings.limits.retry_after_s
+    try:
+        if state.backend is None and state.router is None:
+            raise unavailable("The models are still loading; retry shortly.", retry, code="loading")
+        headers = state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
+        body = await read_body(request, settings.limits.max_body_bytes)
+        try:
+            req = schema.model_validate_json(body)
+        except ValidationError as exc:
+            raise to_api_error(exc) from exc
+        job = to_job(req, request.state.request_id, request.state.tenant, settings)
+        route = await _route(state, job)
+        if state.router is not None:
+            headers["x-specgate-route"] = route.label
+        if isinstance(req, ChatCompletionRequest):
+            fmt: ChatFormat | CompletionFormat = ChatFormat(req.model, req.include_usage, _choices(job))
+        else:
+            fmt = CompletionFormat(req.model, req.include_usage, _choices(job), job.n, job.echo)
+        cache = state.cache if not req.stream else None
+        if cache is not None:
+            hit = await cache.lookup(route.job)
+            if hit is not None:
+                return JSONResponse(hit, headers=headers | {"x-specgate-cache": "hit"})
+        gen = await route.backend.start(route.job)
+    except Exception as exc:
+        return error_response(to_api_error(exc, prompt_param, retry))
+
+    def charge() -> None:
+        state.limiter.charge_tokens(job.tenant, gen.prompt_tokens + fmt.completion_tokens)
+
+    if req.stream:
+        return EventSourceResponse(
+            _events(gen, fmt, req.include_usage, charge),
+            sep="\n",
+            ping=settings.server.sse_ping_s,
+            headers=headers | {"Cache-Control": "no-cache"},
+        )
+    try:
+        whole = await _unless_disconnected(request, _collect(gen, fmt))
+    except Exception as exc:
+        return error_response(to_api_error(exc, prompt_param, retry))
+    finally:
+        charge()
+    if whole is None:  # the client left; nobody will read this
+        return Response(status_code=499)
+    if cache is not None:
+        await cache.store(route.job, whole)
+        headers["x-specgate-cache"] = "miss"
+    return JSONResponse(whole, headers=headers)
+
+
+def _choices(job: Job) -> int:
+    return job.n * (len(job.prompts) if job.prompts is not None else 1)
+
+
+async def _route(state: GatewayState, job: Job) -> Route:
+    if state.router is not None:
+        return await state.router.route(job, state.backend)
+    assert state.backend is not None
+    return Route(state.backend, job, f"{state.backend.name}:{job.model}")
+
+
+async def _collect(gen: Generation, fmt: ChatFormat | CompletionFormat) -> dict[str, Any]:
+    try:
+        async for delta in gen:
+            fmt.fold(delta)
+    finally:
+        await gen.aclose()
+    return fmt.whole(gen)
+
+
+async def _unless_disconnected(
+    request: Request, work: Coroutine[Any, Any, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Run ``work`` unless the client disconnects first; then cancel it (which aborts generation).
+
+    Starlette cancels only streaming responses on disconnect; a plain handler must listen itself.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _events(
+    gen: Generation, fmt: ChatFormat | CompletionFormat, include_usage: bool, done: Callable[[], None]
+) -> AsyncIterator[str]:
+    try:
+        for data in fmt.opening(gen):
+            yield data
+        async for delta in gen:
+            for data in fmt.chunks(delta):
+                yield data
+        if include_usage:
+            yield fmt.usage_chunk(gen)
+    except Exception as exc:  # after the 200: one error event, then [DONE]
+        yield json.dumps(error_event(exc))
+    finally:
+        await gen.aclose()
+        done()
+    yield "[DONE]"

@@ -1,0 +1,161 @@
+"""The gateway's one settings object, read once at start.
+
+Precedence: command-line flags > environment (``SPECGATE_*``) > YAML file > defaults. Environment
+names follow the YAML path with ``__`` between levels (``SPECGATE_LIMITS__MAX_N=4``); values that
+look like JSON lists or objects are parsed as JSON (``SPECGATE_MODELS='[...]'``).
+``SPECGATE_API_KEYS`` is a comma-separated list. Other ``SPECGATE_*`` variables (``SPECGATE_HOME``,
+the model store's) are not settings and are left alone.
+
+Every section refuses unknown keys, so a typo is an error at start that names the setting, not a
+silently ignored value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gateway.cache.settings import CacheSettings
+from gateway.observability.settings import ObservabilitySettings
+from router.config import RouterSettings, UpstreamSettings
+
+ENV_PREFIX = "SPECGATE_"
+
+
+class SettingsError(Exception):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    sse_ping_s: float = Field(default=10.0, ge=0)  # keep-alive comment interval (long prefills, proxies)
+
+
+class ModelSettings(_Section):
+    name: str = Field(min_length=1)  # the `model` clients send
+    source: str  # alias, tiny-random, local directory, .gguf file or hub id (decoding.loader)
+    draft: str | None = None  # name of another configured model used as this one's draft
+    dtype: str = "auto"
+    device: str = "auto"
+    max_context: int | None = Field(default=None, ge=2)
+
+
+class AuthSettings(_Section):
+    api_keys: list[str] = Field(default_factory=list)  # empty: no auth
+
+
+class LimitSettings(_Section):
+    max_body_bytes: int = Field(default=1_000_000, ge=1024)
+    max_n: int = Field(default=8, ge=1)
+    max_max_tokens: int = Field(default=4096, ge=1)
+    default_max_tokens: int = Field(default=512, ge=1)  # when a request gives none
+    max_stops: int = Field(default=4, ge=0)
+    rpm: int | None = Field(default=None, ge=1)  # requests per minute per key; None: unlimited
+    tpm: int | None = Field(default=None, ge=1)  # tokens (prompt + completion) per minute per key
+    max_active: int = Field(default=4, ge=1)  # requests the engine steps in turn
+    max_queued: int = Field(default=32, ge=0)  # beyond this, 503 with Retry-After
+    retry_after_s: int = Field(default=1, ge=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+
+def default_models() -> list[ModelSettings]:
+    return [
+        ModelSettings(name="qwen2.5-coder-1.5b", source="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b"),
+        ModelSettings(name="qwen2.5-coder-0.5b", source="qwen2.5-coder-0.5b"),
+    ]
+
+
+class Settings(_Section):
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    models: list[ModelSettings] = Field(default_factory=default_models, min_length=1)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    stream_granularity: Literal["step", "token"] = "step"
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    upstreams: list[UpstreamSettings] = Field(default_factory=list)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+
+    @model_validator(mode="after")
+    def _check_models(self) -> Settings:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"models: duplicate name(s) {', '.join(dupes)}")
+        for m in self.models:
+            if m.draft is not None and m.draft not in names:
+                raise ValueError(f"models: '{m.name}' names draft '{m.draft}', which is not configured")
+        return self
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    layer: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = key[len(ENV_PREFIX) :].lower().split("__")
+        if key == "SPECGATE_API_KEYS":
+            path, raw_value = ["auth", "api_keys"], [k.strip() for k in raw.split(",") if k.strip()]
+            value: Any = raw_value
+        elif path[0] not in Settings.model_fields:
+            continue  # SPECGATE_HOME and friends belong to other parts of specgate
+        else:
+            value = json.loads(raw) if raw.strip()[:1] in ("[", "{") else raw
+        node = layer
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return layer
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for e in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in e["loc"]) or "settings"
+        lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})"[:300])
+    return "invalid settings:\n" + "\n".join(lines)
+
+
+def load_settings(
+    config: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Defaults < YAML ``config`` < environment < ``overrides`` (flags, as a nested dict)."""
+    data: dict[str, Any] = {}
+    if config is not None:
+        path = Path(config)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise SettingsError(f"cannot read config {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise SettingsError(f"config {path}: the top level must be a mapping")
+        data = loaded
+    try:
+        data = _merge(data, _env_layer(os.environ if env is None else env))
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"a SPECGATE_* variable holds invalid JSON: {exc}") from exc
+    data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from exc
