@@ -34,11 +34,11 @@ class UpstreamSettings(BaseModel):
     base_url: str  # up to and including the version prefix, e.g. http://host:8000/v1
     model: str  # the model name the upstream knows
     api_key_env: str | None = None  # environment variable holding the upstream's API key
-    timeout_s: float = Field(60.0, gt=0)  # read timeout between bytes; connecting gets min(5, this)
-    retries: int = Field(2, ge=0, le=10)  # extra attempts on connect errors, 429 and 5xx, never on 4xx
-    backoff_s: float = Field(0.25, ge=0)  # first retry delay, doubled per attempt (Retry-After wins)
-    breaker_failures: int = Field(5, ge=1)  # consecutive failures that open the circuit
-    breaker_reset_s: float = Field(30.0, gt=0)  # how long it stays open before one probe is let through
+    timeout_s: float = Field(default=60.0, gt=0)  # read timeout between bytes; connecting gets min(5, this)
+    retries: int = Field(default=2, ge=0, le=10)  # extra attempts on connect errors, 429 and 5xx, never on 4xx
+    backoff_s: float = Field(default=0.25, ge=0)  # first retry delay, doubled per attempt (Retry-After wins)
+    breaker_failures: int = Field(default=5, ge=1)  # consecutive failures that open the circuit
+    breaker_reset_s: float = Field(default=30.0, gt=0)  # how long it stays open before one probe is let through
 
 
 class LocalModel(BaseModel):
@@ -53,7 +53,7 @@ class TierSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    threshold: float = Field(0.0, ge=0.0, le=1.0)
+    threshold: float = Field(default=0.0, ge=0.0, le=1.0)
     model: str | None = None  # a key of `router.models`
     upstream: str | None = None  # a name in `router.upstreams`
     speculation: bool = True  # False: this tier always decodes without speculation
@@ -73,13 +73,13 @@ class StrategyLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_k: int = Field(8, ge=1, le=32)  # cap on the engine's adaptive draft length
+    max_k: int = Field(default=8, ge=1, le=32)  # cap on the engine's adaptive draft length
     allowed_modes: list[SpecMode] = Field(default_factory=lambda: list(SpecMode))
     # Above this temperature draft acceptance collapses (the target and draft distributions flatten
     # differently), so verification costs more than it saves: decode plainly.
-    high_temperature: float = Field(1.2, ge=0.0)
+    high_temperature: float = Field(default=1.2, ge=0.0)
     # Prompt lookup for "long context, short answer": prompt chars at least this many times max_tokens.
-    grounded_ratio: float = Field(8.0, gt=0)
+    grounded_ratio: float = Field(default=8.0, gt=0)
 
 
 DEFAULT_MODELS = {SMALL_MODEL: LocalModel(), LARGE_MODEL: LocalModel(draft=SMALL_MODEL)}

@@ -1,6 +1,6 @@
 """Request features and the complexity score, in well under a millisecond.
 
-Cheap on purpose: regexes compiled once, and cue scanning looks at a bounded window of the last user
+Cheap on purpose: word sets, phrase searches and two compiled regexes, and cue scanning looks at a bounded window of the last user
 message (its head and tail, where instructions live), so a 100 kB pasted file costs the same as a
 short prompt. Lengths are counted over the whole conversation.
 
@@ -16,41 +16,41 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SCAN_CHARS = 2048  # head and tail of the last user message that cue regexes see
+SCAN_CHARS = 1024  # head and tail of the last user message that cue regexes see
 
-_CODE = re.compile(
-    r"```|\b(?:def|class|import|return|function|const|let|var|struct|impl|fn|void|public|"
-    r"async|await|lambda|SELECT|INSERT|python|javascript|typescript|rust|golang|java|sql|regex|bash|"
-    r"api|compiler|parser|parse|thread|mutex|recursion|recursive)\b|=>|->|::|[{};]\s*$|\w\(\)",
-    re.MULTILINE,
+# Cues are matched on words and phrases rather than with one big alternation regex per category:
+# a set lookup per word and a substring search per phrase cost a fraction of what backtracking over
+# dozens of alternatives at every character does (~0.1 ms vs ~1 ms for a 4 kB window).
+_WORDS = re.compile(r"[a-z_][a-z0-9_]*")
+_ARITH = re.compile(r"\d\s*[-+*/^=]\s*\d")
+
+CODE_WORDS = frozenset(
+    ["def", "class", "import", "return", "function", "const", "let", "var", "struct", "impl", "fn", "void", "public", "async", "await", "lambda", "select", "insert", "python", "javascript", "typescript", "rust", "golang", "java", "sql", "regex", "bash", "api", "compiler", "parser", "parse", "thread", "mutex", "recursion", "recursive"]
 )
-_MATH = re.compile(
-    r"\\(?:frac|int|sum|sqrt|lim|prod)|[∫∑√π∞≤≥∂]|\b(?:integral|derivative|equation|theorem|lemma|"
-    r"matrix|eigen\w*|probability|polynomial|primes?|modulo|induction|limit|converge\w*|"
-    r"expected value|variance|differential)\b|\d\s*[-+*/^=]\s*\d",
-    re.IGNORECASE,
+CODE_SYMBOLS = ("```", "=>", "->", "::", "()", ";\n", "{\n", "}\n")
+MATH_WORDS = frozenset(
+    ["integral", "derivative", "equation", "theorem", "lemma", "matrix", "probability", "polynomial", "prime", "primes", "modulo", "induction", "limit", "variance", "differential", "eigenvalue", "eigenvalues", "eigenvector", "converge", "converges"]
 )
-_REASONING = re.compile(
-    r"\b(?:prove|proof|step[- ]by[- ]step|explain why|why (?:does|is|do|are|would)|derive|reason(?:ing)? "
-    r"about|analy[sz]e|compare|trade-?offs?|design|architect\w*|optimi[sz]e|complexity|debug|"
-    r"think (?:through|carefully)|pros and cons|in depth|detailed|rigorous\w*|justify|implement|"
-    r"concurren\w+|race condition|deadlock|scalab\w+|distributed|solve|show (?:each|every|all|your) (?:steps?|work)|"
-    r"operator precedence|with tests)\b",
-    re.IGNORECASE,
+MATH_SYMBOLS = ("\\frac", "\\int", "\\sum", "\\sqrt", "\\lim", "\\prod", "∫", "∑", "√", "π", "∞", "≤", "≥", "∂", "expected value",
+                "o(n", "o(log", "^2")  # fmt: skip
+REASONING_WORDS = frozenset(
+    ["prove", "proof", "derive", "analyze", "analyse", "compare", "design", "optimize", "optimise", "complexity", "debug", "detailed", "rigorous", "rigorously", "justify", "implement", "deadlock", "distributed", "solve", "architecture", "architect", "concurrency", "concurrent", "scalable", "scalability", "tradeoffs", "tradeoff"]
 )
-_SIMPLE = re.compile(
-    r"^\s*(?:hi|hello|hey|thanks|thank you|ok|okay)\b|\b(?:what is|what's|who is|define|"
-    r"translate|spell|capital of|synonym|one word|yes or no|short answer|briefly)\b",
-    re.IGNORECASE,
+REASONING_PHRASES = (
+    "step by step", "step-by-step", "explain why", "why does", "why is", "why do", "why are", "why would",
+    "reason about", "trade-off", "think through", "think carefully", "pros and cons", "in depth",
+    "race condition", "show each step", "show every step", "show all steps", "show your work",
+    "operator precedence", "with tests",
 )
+SIMPLE_WORDS_AT_START = frozenset(["hi", "hello", "hey", "thanks", "ok", "okay"])
+SIMPLE_PHRASES = ("thank you", "what is", "what's", "who is", "define", "translate", "spell", "capital of",
+                  "synonym", "one word", "yes or no", "short answer", "briefly")  # fmt: skip
 # Input-grounded requests: the answer copies spans of the prompt, so prompt lookup drafts well.
-_GROUNDED = re.compile(
-    r"\b(?:edit|fix|refactor|rename|rewrite|reformat|convert|port|translate this|add (?:type hints|"
-    r"comments|docstrings|logging)|extract|summari[sz]e|quote|find (?:all|every)|correct|"
-    r"(?:from|in|of) (?:this|the following|the above|the given) (?:text|code|file|document|"
-    r"passage|snippet|function|class|json|log|table))\b",
-    re.IGNORECASE,
-)
+GROUNDED_WORDS = frozenset(["edit", "fix", "refactor", "rename", "rewrite", "reformat", "convert", "port", "extract", "summarize", "summarise", "quote", "correct"])
+GROUNDED_PHRASES = ("translate this", "add type hints", "add comments", "add docstrings", "add logging",
+                    "find all", "find every", "the following", "the above", "the given", "this text", "this code",
+                    "this file", "this document", "this passage", "this snippet", "this function", "this class",
+                    "this json", "this log", "this table")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -101,15 +101,19 @@ def extract(
     else:
         last = prompt or ""
         total, turns = len(last), 1
-    window = _window(last)
+    window = _window(last).lower()
+    words = _WORDS.findall(window)
+    head = window[:256]  # small-talk cues only count at the start
+    first = _WORDS.match(head.lstrip())
     return Features(
         prompt_chars=total,
         turns=turns,
-        code=len(_CODE.findall(window)),
-        math=len(_MATH.findall(window)),
-        reasoning=len(_REASONING.findall(window)),
-        simple=len(_SIMPLE.findall(window[:256])),  # small-talk cues only count at the start
-        grounded=_GROUNDED.search(window) is not None,
+        code=sum(w in CODE_WORDS for w in words) + sum(window.count(s) for s in CODE_SYMBOLS),
+        math=sum(w in MATH_WORDS for w in words) + sum(window.count(s) for s in MATH_SYMBOLS)
+        + len(_ARITH.findall(window)),
+        reasoning=sum(w in REASONING_WORDS for w in words) + sum(p in window for p in REASONING_PHRASES),
+        simple=(first is not None and first.group() in SIMPLE_WORDS_AT_START) + sum(p in head for p in SIMPLE_PHRASES),
+        grounded=any(w in GROUNDED_WORDS for w in words) or any(p in window for p in GROUNDED_PHRASES),
         max_tokens=max_tokens,
     )
 

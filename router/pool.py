@@ -1,0 +1,52 @@
+"""The configured upstreams' clients, and the fallback chain's one rule.
+
+Fallback happens only before the first byte reaches the client: each attempt is an "open" (for an
+upstream, `UpstreamClient.open_stream`, which returns with the first event in hand; for the local
+engine, the gateway's own first step). Once an attempt has opened, its failures are the stream's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TypeVar
+
+import httpx
+
+from router.config import UpstreamSettings
+from router.upstream import UpstreamClient, UpstreamUnavailable
+
+log = logging.getLogger("specgate.router")
+
+L = TypeVar("L")  # what names an attempt (a RouteDecision in the gateway)
+R = TypeVar("R")  # what an attempt opens
+
+
+class UpstreamPool:
+    def __init__(self, upstreams: Iterable[UpstreamSettings], transport: httpx.AsyncBaseTransport | None = None):
+        self.clients = {u.name: UpstreamClient(u, transport) for u in upstreams}
+
+    def __getitem__(self, name: str) -> UpstreamClient:
+        return self.clients[name]
+
+    async def aclose(self) -> None:
+        for client in self.clients.values():
+            await client.aclose()
+
+
+async def first_available(
+    attempts: Sequence[tuple[L, Callable[[], Awaitable[R]]]],
+    fallback_on: tuple[type[BaseException], ...] = (UpstreamUnavailable,),
+) -> tuple[L, R]:
+    """Open the first attempt that opens; on `fallback_on` errors try the next. Other errors (a 4xx
+    from an upstream: the request's fault) propagate at once. When all fail the last error is raised."""
+    assert attempts, "first_available needs at least one attempt"
+    last: BaseException | None = None
+    for label, open_ in attempts:
+        try:
+            return label, await open_()
+        except fallback_on as exc:
+            log.warning("route %s failed before the first byte, falling back: %s", label, exc)
+            last = exc
+    assert last is not None
+    raise last

@@ -1,0 +1,362 @@
+"""A client for one OpenAI-compatible upstream (vLLM, TGI, a hosted API), built on httpx.AsyncClient.
+
+Streaming is split in two so that retries and fallback only ever happen before the client has seen a
+byte: `open_stream()` sends the request, retries, and reads up to the first SSE event; once it returns,
+the gateway sends its headers, and iterating the returned `UpstreamStream` can only fail with
+`UpstreamStreamBroken`, which ends the client's stream with one in-band error event.
+
+Exceptions (every httpx exception is translated in `_translated`, nowhere else):
+
+    UpstreamError                 .status, .error_body() -> the OpenAI error object
+    ├── UpstreamUnavailable       nothing reached the client: the gateway may fall back
+    │   ├── UpstreamConnectError  refused, reset, DNS, TLS                        retried
+    │   ├── UpstreamTimeout       no answer in time (it may still be working)     not retried
+    │   ├── UpstreamHTTPError     429 or 5xx                                      retried
+    │   ├── UpstreamBadResponse   not OpenAI's SSE/JSON                           not retried
+    │   └── CircuitOpen           the breaker refused the call                    not retried
+    ├── UpstreamRejected          any other 4xx: the request's fault, passed on verbatim, never retried
+    └── UpstreamStreamBroken      the stream died after its first event
+
+Deliberate: an in-band `{"error": ...}` event from the upstream is yielded like a chunk, not raised:
+it is the upstream's answer and the client should see it (issue 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from router.breaker import CircuitBreaker
+from router.config import UpstreamSettings
+
+FORWARDED_HEADERS = ("traceparent", "tracestate", "x-request-id")  # W3C trace context and our id
+OUR_FIELDS = ("speculative", "stream_granularity")  # specgate extensions an upstream would refuse
+
+
+def _error_obj(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class UpstreamError(Exception):
+    status = 502
+    code = "upstream_error"
+    type_ = "server_error"
+    retryable = False
+    breaker_failure = True  # does it count against the upstream's circuit breaker
+
+    def __init__(self, upstream: str, message: str, retry_after: float | None = None):
+        super().__init__(f"upstream '{upstream}': {message}")
+        self.upstream = upstream
+        self.retry_after = retry_after
+
+    def error_body(self) -> dict[str, Any]:
+        return _error_obj(str(self), self.type_, self.code)
+
+
+class UpstreamUnavailable(UpstreamError):
+    status = 503
+
+
+class UpstreamConnectError(UpstreamUnavailable):
+    code = "upstream_unavailable"
+    retryable = True
+
+
+class UpstreamTimeout(UpstreamUnavailable):
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamHTTPError(UpstreamUnavailable):
+    retryable = True
+
+    def __init__(self, upstream: str, upstream_status: int, message: str, retry_after: float | None = None):
+        super().__init__(upstream, f"HTTP {upstream_status}: {message}", retry_after)
+        self.upstream_status = upstream_status
+        if upstream_status == 429:
+            # The upstream is alive, only busy: pass the rate limit on without tripping the breaker.
+            self.status, self.code, self.type_, self.breaker_failure = 429, "rate_limit_exceeded", "rate_limit_error", False
+        else:
+            self.status = 503 if upstream_status == 503 else 502
+
+
+class UpstreamBadResponse(UpstreamUnavailable):
+    status = 502
+    code = "upstream_bad_response"
+
+
+class CircuitOpen(UpstreamUnavailable):
+    code = "upstream_circuit_open"
+    breaker_failure = False
+
+
+class UpstreamRejected(UpstreamError):
+    breaker_failure = False
+
+    def __init__(self, upstream: str, status: int, body: dict[str, Any]):
+        super().__init__(upstream, str(body["error"].get("message")))
+        self.status = status
+        self.body = body
+
+    def error_body(self) -> dict[str, Any]:
+        return self.body  # the upstream's own error object: its message, type, param and code
+
+
+class UpstreamStreamBroken(UpstreamError):
+    code = "upstream_stream_broken"
+
+
+@contextlib.contextmanager
+def _translated(name: str) -> Iterator[None]:
+    """The one place outside exceptions become ours."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        if isinstance(exc, httpx.ConnectTimeout):
+            raise UpstreamConnectError(name, f"connect timeout ({exc!r})") from exc
+        raise UpstreamTimeout(name, f"timed out ({type(exc).__name__})") from exc
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        raise UpstreamConnectError(name, f"{type(exc).__name__}: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise UpstreamBadResponse(name, f"{type(exc).__name__}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise UpstreamBadResponse(name, f"invalid JSON ({exc.msg})") from exc
+
+
+def normalise_error(payload: Any, status: int) -> dict[str, Any]:
+    """Any upstream error payload as the OpenAI error object (vLLM, TGI and FastAPI differ)."""
+    if isinstance(payload, Mapping):
+        err = payload.get("error")
+        if isinstance(err, Mapping):
+            return _error_obj(str(err.get("message", "")), str(err.get("type") or "invalid_request_error"),
+                              None if err.get("code") is None else str(err.get("code")), err.get("param"))  # fmt: skip
+        if isinstance(err, str):  # TGI: {"error": "...", "error_type": "..."}
+            return _error_obj(err, str(payload.get("error_type") or "invalid_request_error"))
+        for key in ("message", "detail"):  # vLLM's older {"object": "error", "message": ...}; FastAPI
+            if key in payload:
+                return _error_obj(str(payload[key]), str(payload.get("type") or "invalid_request_error"))
+    text = payload if isinstance(payload, str) else json.dumps(payload)
+    return _error_obj(text[:500] or f"HTTP {status}", "invalid_request_error" if status < 500 else "server_error")
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    try:
+        return float(resp.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None  # absent, or an HTTP date, which upstreams do not send in practice
+
+
+def encode_event(obj: Mapping[str, Any]) -> bytes:
+    """One SSE event in our wire format (compact JSON, UTF-8, `\\n\\n`)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """What the gateway changes on each upstream chunk so the client sees one consistent response.
+    None leaves the upstream's value."""
+
+    id: str | None = None
+    model: str | None = None  # the name the client is answered with
+    created: int | None = None
+    system_fingerprint: str | None = None
+    include_usage: bool = False  # the client asked for stream_options.include_usage
+
+    def apply(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        if "error" in chunk and "choices" not in chunk:
+            return {"error": normalise_error(chunk, 500)["error"]}
+        for key in ("id", "model", "created", "system_fingerprint"):
+            value = getattr(self, key)
+            if value is not None:
+                chunk[key] = value
+        for choice in chunk.get("choices") or ():
+            choice.setdefault("logprobs", None)
+            choice.setdefault("finish_reason", None)
+        if self.include_usage:
+            chunk.setdefault("usage", None)
+        return chunk
+
+
+class UpstreamStream:
+    """The upstream's SSE as chunk dicts. Made by `UpstreamClient.open_stream`, first event in hand."""
+
+    def __init__(self, client: UpstreamClient, resp: httpx.Response, rewrite: Rewrite):
+        self._client, self._resp, self._rewrite = client, resp, rewrite
+        self._lines = resp.aiter_lines()  # decodes UTF-8 incrementally: split characters are safe
+        self._first: dict[str, Any] | None = None
+        self._done = False
+        self.status_code = resp.status_code
+
+    async def _next_event(self) -> dict[str, Any] | None:
+        """The next data event, or None at `[DONE]`. Raises httpx errors untranslated."""
+        data: list[str] = []
+        async for line in self._lines:
+            if line.startswith(":"):
+                continue  # comment / keep-alive
+            if line == "":
+                if not data:
+                    continue
+                payload = "\n".join(data)
+                if payload.strip() == "[DONE]":
+                    return None
+                event = json.loads(payload)
+                if not isinstance(event, dict):
+                    raise json.JSONDecodeError("event is not a JSON object", payload, 0)
+                return self._rewrite.apply(event)
+            field, _, value = line.partition(":")
+            if field == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+        if data:  # a last event without its blank line
+            payload = "\n".join(data)
+            return None if payload.strip() == "[DONE]" else self._rewrite.apply(json.loads(payload))
+        raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+
+    async def _peek(self) -> None:
+        with _translated(self._client.name):
+            self._first = await self._next_event()
+        if self._first is None:
+            self._done = True
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                yield first
+            while not self._done:
+                try:
+                    with _translated(self._client.name):
+                        event = await self._next_event()
+                except UpstreamError as exc:
+                    self._client.breaker.record_failure()
+                    raise UpstreamStreamBroken(self._client.name, f"stream broke after it started: {exc}") from exc
+                if event is None:
+                    self._done = True
+                    break
+                yield event
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the upstream connection (the client left, or the stream ended)."""
+        await self._resp.aclose()
+
+
+class UpstreamClient:
+    def __init__(self, settings: UpstreamSettings, transport: httpx.AsyncBaseTransport | None = None):
+        self.settings = settings
+        self.name = settings.name
+        self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
+        headers = {"content-type": "application/json"}
+        if settings.api_key_env is not None:
+            key = os.environ.get(settings.api_key_env)
+            if not key:
+                raise ValueError(f"upstreams[{settings.name}].api_key_env: ${settings.api_key_env} is not set")
+            headers["authorization"] = f"Bearer {key}"
+        timeout = httpx.Timeout(settings.timeout_s, connect=min(5.0, settings.timeout_s))
+        self._http = httpx.AsyncClient(base_url=settings.base_url.rstrip("/") + "/", timeout=timeout,
+                                       headers=headers, transport=transport)  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _request(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None, stream: bool) -> httpx.Request:
+        payload = {k: v for k, v in body.items() if k not in OUR_FIELDS}
+        payload["model"] = self.settings.model
+        payload["stream"] = stream
+        lowered = {k.lower(): v for k, v in (headers or {}).items()}
+        fwd = {k: lowered[k] for k in FORWARDED_HEADERS if k in lowered}
+        if stream:
+            fwd["accept"] = "text/event-stream"
+        return self._http.build_request("POST", path.lstrip("/"), json=payload, headers=fwd)
+
+    async def _status_error(self, resp: httpx.Response) -> UpstreamError:
+        raw = await resp.aread()
+        await resp.aclose()
+        try:
+            payload: Any = json.loads(raw)
+        except ValueError:
+            payload = raw.decode("utf-8", "replace")
+        if resp.status_code == 429 or resp.status_code >= 500:
+            message = normalise_error(payload, resp.status_code)["error"]["message"]
+            return UpstreamHTTPError(self.name, resp.status_code, message, _retry_after(resp))
+        return UpstreamRejected(self.name, resp.status_code, normalise_error(payload, resp.status_code))
+
+    def _delay(self, attempt: int, exc: UpstreamError) -> float:
+        if exc.retry_after is not None:
+            return min(exc.retry_after, self.settings.timeout_s)
+        # Exponential backoff with jitter, so retrying gateways do not stampede a recovering upstream.
+        return self.settings.backoff_s * (2**attempt) * random.uniform(0.5, 1.0)
+
+    async def _attempts(self, once: Any) -> Any:
+        """Run `once()` under the breaker, retrying what may be retried, with backoff."""
+        last: UpstreamError | None = None
+        for attempt in range(self.settings.retries + 1):
+            if not self.breaker.allow():
+                raise CircuitOpen(self.name, "circuit open after repeated failures",
+                                  retry_after=self.breaker.retry_after()) from last  # fmt: skip
+            try:
+                result = await once()
+            except UpstreamError as exc:
+                if exc.breaker_failure:
+                    self.breaker.record_failure()
+                elif not isinstance(exc, UpstreamHTTPError):
+                    self.breaker.record_success()  # a 4xx: the upstream is up and answering
+                if not exc.retryable or attempt == self.settings.retries:
+                    raise
+                last = exc
+                await asyncio.sleep(self._delay(attempt, exc))
+                continue
+            self.breaker.record_success()
+            return result
+        raise AssertionError("unreachable")
+
+    async def open_stream(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, rewrite: Rewrite | None = None
+    ) -> UpstreamStream:
+        """Send a streaming request and read its first event. Raises `UpstreamUnavailable` (fall back)
+        or `UpstreamRejected` (pass on); after it returns nothing has reached the client yet."""
+
+        async def once() -> UpstreamStream:
+            with _translated(self.name):
+                resp = await self._http.send(self._request(path, body, headers, True), stream=True)
+                if resp.status_code != 200:
+                    raise await self._status_error(resp)
+            stream = UpstreamStream(self, resp, rewrite or Rewrite())
+            try:
+                await stream._peek()
+            except BaseException:
+                await resp.aclose()
+                raise
+            return stream
+
+        result: UpstreamStream = await self._attempts(once)
+        return result
+
+    async def complete(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, rewrite: Rewrite | None = None
+    ) -> dict[str, Any]:
+        """A non-streaming call; the response with id/model rewritten."""
+
+        async def once() -> dict[str, Any]:
+            with _translated(self.name):
+                resp = await self._http.send(self._request(path, body, headers, False))
+                if resp.status_code != 200:
+                    raise await self._status_error(resp)
+                data = resp.json()
+            if not isinstance(data, dict):
+                raise UpstreamBadResponse(self.name, "response is not a JSON object")
+            return (rewrite or Rewrite()).apply(data)
+
+        result: dict[str, Any] = await self._attempts(once)
+        return result
