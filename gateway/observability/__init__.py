@@ -1,1 +1,111 @@
-"""Prometheus metrics, OpenTelemetry traces and request logs."""
+"""Prometheus metrics, OpenTelemetry traces and request logs (issue 6).
+
+One ``Observability`` object per app holds the three and is wired in at three seams:
+
+- ``obs.install(app)``: the ASGI middleware (opentelemetry-instrumentation-asgi's server span,
+  continuing an incoming ``traceparent``, around our ``ObservabilityMiddleware``) plus the
+  ``/metrics`` and ``/dashboard`` routes;
+- ``obs.observe_engine(engine)``: the ``AsyncEngine`` proxy that observes every step;
+- ``obs.metrics.observe_*`` / ``obs.tracing.span(...)`` / ``current_request()`` for the cache, the
+  router and the upstream client, each calling one method per event.
+
+Module map: ``metrics`` (registry and methods), ``tracing`` (provider from ``OTEL_*``, helpers),
+``record`` (the per-request record), ``middleware``, ``engine`` (the proxy), ``logs`` (the line),
+``routes`` (/metrics and /dashboard).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from gateway.observability.logs import RequestLogger
+from gateway.observability.metrics import Metrics
+from gateway.observability.record import RequestRecord, current_request
+from gateway.observability.settings import ObservabilitySettings
+from gateway.observability.tracing import Tracing, provider_from_env
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from decoding.async_engine import AsyncEngine
+    from gateway.observability.engine import ObservedEngine
+
+__all__ = ["Metrics", "Observability", "ObservabilitySettings", "RequestRecord", "Tracing", "current_request"]
+
+# Scrapes and probes get no spans (they would drown the traces); they are still counted.
+UNTRACED = "/metrics,/health,/ready,/dashboard"
+
+
+class Observability:
+    def __init__(
+        self,
+        settings: ObservabilitySettings | None = None,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        models: Iterable[str] = (),
+        upstreams: Iterable[str] = (),
+        from_env: bool = True,
+    ):
+        """``tracer_provider``: tests pass one with an in-memory exporter; otherwise it comes from the
+        ``OTEL_*`` environment (``from_env=False`` keeps tracing off)."""
+        self.settings = settings or ObservabilitySettings()
+        provider = (
+            tracer_provider if tracer_provider is not None else (provider_from_env() if from_env else None)
+        )
+        self.metrics = Metrics(models=models, upstreams=upstreams)
+        self.tracing = Tracing(provider, log_content=self.settings.log_content)
+        self.logger = RequestLogger(json_lines=self.settings.log_json, enabled=self.settings.log_requests)
+        self._metrics_server: Any = None
+        self._metrics_thread: threading.Thread | None = None
+
+    def install(self, app: Starlette) -> None:
+        """Middleware and routes; call before the app serves its first request."""
+        from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+        from gateway.observability.middleware import ObservabilityMiddleware
+        from gateway.observability.routes import routes
+
+        app.add_middleware(ObservabilityMiddleware, obs=self)
+        app.add_middleware(
+            OpenTelemetryMiddleware,
+            tracer_provider=self.tracing._api_provider,
+            excluded_urls=UNTRACED,
+            exclude_spans=["receive", "send"],
+            default_span_details=_span_details,
+        )
+        for route in routes(self):
+            app.router.routes.append(route)
+
+    def observe_engine(self, engine: AsyncEngine) -> ObservedEngine:
+        from gateway.observability.engine import ObservedEngine
+
+        return ObservedEngine(engine, self)
+
+    def start_metrics_server(self, host: str = "0.0.0.0", port: int | None = None) -> None:
+        """Serve /metrics on its own port too (``observability.metrics_port``)."""
+        from prometheus_client import start_http_server
+
+        port = port or self.settings.metrics_port
+        assert port, "observability.metrics_port is not set"
+        self._metrics_server, self._metrics_thread = start_http_server(
+            port, host, registry=self.metrics.registry
+        )
+
+    def shutdown(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        self.tracing.shutdown()
+
+
+def _span_details(scope: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``POST /v1/chat/completions``: the route template, never a raw path with ids in it."""
+    from gateway.observability.metrics import route_label
+
+    route = route_label(scope.get("path", ""))
+    return f"{scope.get('method', 'HTTP')} {route}", {"http.route": route}

@@ -1,0 +1,174 @@
+"""``ObservedEngine``: the ``AsyncEngine`` as the gateway sees it, with every step observed.
+
+It is a drop-in proxy (``generate``, ``abort``, ``engine``, ``queue_depth``, ... pass through), so
+the gateway wires observability into local generation with one line and no change to its loop.
+Per step it feeds the speculation metrics; per generation it records the GenAI span and its
+``specgate.queue`` / ``specgate.prefill`` / ``specgate.decode`` children (timed on the engine
+thread, so recorded after the fact with explicit timestamps) and fills the request record.
+
+The spans are started with an explicit parent and never made current: an async generator runs in
+its consumer's context, and attaching a span across a ``yield`` would leak it into the handler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from decoding.params import GenerationRequest, RequestStats, StepOutput
+from gateway.observability import tracing as tr
+from gateway.observability.record import current_request
+
+if TYPE_CHECKING:
+    from decoding.async_engine import AsyncEngine
+    from gateway.observability import Observability
+
+
+class ObservedEngine:
+    def __init__(self, inner: AsyncEngine, obs: Observability):
+        self._inner = inner
+        self._obs = obs
+        obs.metrics.bind_engine(inner)
+
+    def __getattr__(self, name: str) -> Any:  # engine, queue_depth, active, abort, shutdown, ...
+        return getattr(self._inner, name)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._inner.queue_depth
+
+    @property
+    def active(self) -> int:
+        return self._inner.active
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        obs, rec = self._obs, current_request()
+        model, p = request.model, request.params
+        parent = otel_context.get_current()
+        t0, t0_ns = tr.now_pair()
+        if rec is not None:
+            rec.model = rec.model or model
+            rec.temperature, rec.top_p, rec.max_tokens, rec.seed = (
+                p.temperature,
+                p.top_p,
+                p.max_tokens,
+                p.seed,
+            )
+        operation = rec.operation if rec is not None and rec.operation else "generate"
+        span = obs.tracing.start_span(
+            f"{operation} {model}",
+            parent,
+            t0_ns,
+            {
+                tr.GEN_AI_OPERATION: operation,
+                tr.GEN_AI_PROVIDER: tr.PROVIDER,
+                tr.GEN_AI_REQUEST_MODEL: model,
+                tr.GEN_AI_REQUEST_TEMPERATURE: p.temperature,
+                tr.GEN_AI_REQUEST_TOP_P: p.top_p,
+                tr.GEN_AI_REQUEST_MAX_TOKENS: p.max_tokens,
+                "specgate.spec.mode": request.spec.mode.value,
+                "specgate.spec.max_k": request.spec.max_k,
+            },
+        )
+        first: float | None = None
+        stats: RequestStats | None = None
+        finish: str | None = None
+        n_tokens = 0
+        try:
+            if rec is not None:
+                rec.phase = "queued"
+            async for step in self._inner.generate(request):
+                obs.metrics.observe_step(model, step)
+                if step.token_ids:
+                    n_tokens += len(step.token_ids)
+                    if first is None:
+                        first = time.perf_counter()
+                        if rec is not None:
+                            rec.mark_first_token()
+                            rec.phase = "decode"
+                if step.finish_reason is not None:
+                    finish, stats = step.finish_reason.value, step.stats
+                    if step.error:
+                        tr.set_error(span, "engine_error")
+                yield step
+        except BaseException as exc:
+            if finish is None:
+                tr.set_error(span, type(exc).__name__)
+            raise
+        finally:
+            self._close(span, rec, model, parent, t0, t0_ns, first, stats, finish, n_tokens)
+
+    def _close(
+        self,
+        span: trace.Span,
+        rec: Any,
+        model: str,
+        parent: otel_context.Context,
+        t0: float,
+        t0_ns: int,
+        first: float | None,
+        stats: RequestStats | None,
+        finish: str | None,
+        n_tokens: int,
+    ) -> None:
+        obs, t_end = self._obs, time.perf_counter()
+        if stats is not None and finish is not None:
+            obs.metrics.observe_generation_done(model, stats, finish)
+        if rec is not None:
+            if stats is not None:
+                rec.generations.append(stats)
+            if finish is not None:
+                rec.finish_reasons.append(finish)
+            if not rec.usage_set:
+                done = stats.completion_tokens if stats is not None else n_tokens
+                rec.prompt_tokens = max(rec.prompt_tokens, stats.prompt_tokens if stats else 0)
+                rec.completion_tokens += done
+        if not span.is_recording():
+            span.end()
+            return
+        ctx = trace.set_span_in_context(span, parent)
+        at = lambda perf: tr.epoch_ns(perf, t0, t0_ns)  # noqa: E731
+        attrs: dict[str, Any] = {tr.GEN_AI_RESPONSE_MODEL: model}
+        if stats is not None:
+            q_end = min(t0 + stats.queue_s, t_end)  # engine-thread times, clamped to what we saw
+            p_end = min(q_end + stats.prefill_s, first or t_end, t_end)
+            obs.tracing.add_span("specgate.queue", ctx, t0_ns, at(q_end))
+            obs.tracing.add_span(
+                "specgate.prefill",
+                ctx,
+                at(q_end),
+                at(p_end),
+                {"gen_ai.usage.input_tokens": stats.prompt_tokens},
+            )
+            obs.tracing.add_span("specgate.decode", ctx, at(p_end), at(t_end), _spec_attrs(stats))
+            attrs.update(_spec_attrs(stats))
+            attrs[tr.GEN_AI_INPUT_TOKENS] = stats.prompt_tokens
+            attrs[tr.GEN_AI_OUTPUT_TOKENS] = stats.completion_tokens
+        elif first is not None:  # left early (client gone, stop string): no final stats
+            obs.tracing.add_span("specgate.decode", ctx, at(first), at(t_end))
+            attrs[tr.GEN_AI_OUTPUT_TOKENS] = n_tokens
+        if finish is not None:
+            attrs[tr.GEN_AI_FINISH_REASONS] = [finish]
+        else:
+            attrs["specgate.left_early"] = True
+        span.set_attributes(attrs)
+        span.end(end_time=at(t_end))
+
+
+def _spec_attrs(stats: RequestStats) -> dict[str, Any]:
+    return {
+        "specgate.spec.drafter": stats.drafter,
+        "specgate.spec.steps": stats.steps,
+        "specgate.spec.verification_steps": stats.spec_steps,
+        "specgate.spec.drafted": stats.drafted,
+        "specgate.spec.accepted": stats.accepted,
+        "specgate.spec.acceptance_rate": round(stats.acceptance_rate, 4),
+        "specgate.spec.mean_accepted_per_step": round(stats.mean_accepted_per_step, 4),
+        "specgate.spec.disabled_steps": stats.spec_disabled_steps,
+        "specgate.spec.accepted_by_position": list(stats.accepted_by_position),
+        "specgate.spec.drafted_by_position": list(stats.drafted_by_position),
+    }

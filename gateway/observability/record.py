@@ -1,0 +1,104 @@
+"""The per-request record that the middleware, the engine wrapper and the handlers fill in.
+
+The middleware creates one ``RequestRecord`` per HTTP request and makes it reachable through a
+context variable, so code deeper down (the engine wrapper, the cache, the router seam) adds what it
+knows without threading an argument through every call. When the response ends, the middleware
+turns the record into metrics, span attributes and one log line.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from dataclasses import dataclass, field
+
+from decoding.params import RequestStats
+
+_current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
+    "specgate_request", default=None
+)
+
+
+def current_request() -> RequestRecord | None:
+    """The record of the request being served, or None outside one (CLI, tests on the engine)."""
+    return _current.get()
+
+
+@dataclass
+class RequestRecord:
+    method: str
+    route: str  # route template or "other": never the raw path
+    log_content: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    request_id: str | None = None
+    status: int = 0
+    stream: bool = False
+    request_model: str | None = None  # as the client asked ("auto", an alias, a name)
+    model: str | None = None  # the model that served it
+    operation: str | None = None  # chat | text_completion
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    usage_set: bool = False  # the handler reported usage; engine counts are then not used
+    finish_reasons: list[str] = field(default_factory=list)
+    first_token: float | None = None  # perf_counter of the first generated token
+    first_byte: float | None = None  # perf_counter of the first response body byte
+    ended: float | None = None
+    phase: str = "gateway"  # cache, route, queued, decode, upstream, stream: where an abort happened
+    aborted: bool = False
+    cache: str | None = None  # exact | semantic | miss | skip
+    route_tier: str | None = None
+    route_strategy: str | None = None
+    upstream: str | None = None
+    error_type: str | None = None
+    generations: list[RequestStats] = field(default_factory=list)
+    prompt_text: str | None = None  # kept only with log_content
+    completion_text: str | None = None
+
+    # ---- what handlers call ---------------------------------------------------------------
+
+    def set_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """The usage the response reports (cache hits and upstream calls need this; local
+        generations are counted by the engine wrapper when a handler does not call it)."""
+        self.prompt_tokens, self.completion_tokens, self.usage_set = prompt_tokens, completion_tokens, True
+
+    def set_content(self, prompt: str | None = None, completion: str | None = None) -> None:
+        """Prompt/completion text for the log line and span; dropped unless ``log_content``."""
+        if not self.log_content:
+            return
+        if prompt is not None:
+            self.prompt_text = prompt
+        if completion is not None:
+            self.completion_text = (self.completion_text or "") + completion
+
+    def mark_first_token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+
+    # ---- derived ----------------------------------------------------------------------------
+
+    @property
+    def duration_s(self) -> float:
+        return (self.ended or time.perf_counter()) - self.started
+
+    @property
+    def ttft_s(self) -> float | None:
+        """First generated token, else (cache hits, upstream passthrough) the first body byte of
+        a successful response that carried tokens."""
+        if self.first_token is not None:
+            return self.first_token - self.started
+        if self.first_byte is not None and self.completion_tokens and 200 <= self.status < 300:
+            return self.first_byte - self.started
+        return None
+
+    def spec_totals(self) -> dict[str, int]:
+        g = self.generations
+        return {
+            "steps": sum(s.steps for s in g),
+            "drafted": sum(s.drafted for s in g),
+            "accepted": sum(s.accepted for s in g),
+            "spec_disabled_steps": sum(s.spec_disabled_steps for s in g),
+        }
