@@ -25,6 +25,7 @@ from gateway.backends import Backend, Generation, Job, ResponseCache, Route, Rou
 from gateway.errors import bad_request, error_event, error_response, to_api_error, unavailable
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.limits import RateLimiter, read_body
+from gateway.observability import note_usage, observe_job
 from gateway.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings
 
@@ -63,11 +64,7 @@ def to_job(
         raise bad_request(
             f"At most {limits.max_stops} stop sequences are allowed, got {len(req.stops)}.", param="stop"
         )
-    spec = SpecParams()
-    if req.speculative is not None:
-        spec = SpecParams(
-            mode=SpecMode(req.speculative.mode), max_k=req.speculative.max_k or SpecParams.max_k
-        )
+    spec = _spec(req)
     common: dict[str, Any] = dict(
         request_id=request_id,
         model=req.model,
@@ -95,6 +92,22 @@ def to_job(
         return Job(kind="chat", messages=messages, logprobs=logprobs, **common)
     prompts = _prompts(req.prompt)
     return Job(kind="completion", prompts=prompts, logprobs=req.logprobs, echo=req.echo, **common)
+
+
+SEEDED_K = 4  # draft length for seeded sampling (fixed k; see _spec)
+
+
+def _spec(req: ChatCompletionRequest | CompletionRequest) -> SpecParams:
+    """Speculation for the request. Deliberate divergence from the engine default: a seeded sampled
+    request drafts a fixed k, because the adaptive k follows measured timings and a different k
+    consumes the seeded random stream differently, so the same seed would not repeat its output."""
+    opts = req.speculative
+    mode = SpecMode(opts.mode) if opts is not None else SpecMode.AUTO
+    max_k = opts.max_k if opts is not None and opts.max_k is not None else None
+    sampled = req.temperature is None or req.temperature > 0
+    if req.seed is not None and sampled:
+        return SpecParams(mode=mode, max_k=max_k or SEEDED_K, adaptive=False)
+    return SpecParams(mode=mode, max_k=max_k or SpecParams.max_k)
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -131,6 +144,7 @@ async def _serve(
         except ValidationError as exc:
             raise to_api_error(exc) from exc
         job = to_job(req, request.state.request_id, request.state.tenant, settings)
+        observe_job(job)
         route = await _route(state, job)
         if state.router is not None:
             headers["x-specgate-route"] = route.label
@@ -142,12 +156,17 @@ async def _serve(
         if cache is not None:
             hit = await cache.lookup(route.job)
             if hit is not None:
+                usage = hit.get("usage") or {}
+                note_usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
                 return JSONResponse(hit, headers=headers | {"x-specgate-cache": "hit"})
         gen = await route.backend.start(route.job)
+        if state.router is not None:  # start() may have fallen back to another route
+            headers["x-specgate-route"] = route.label
     except Exception as exc:
         return error_response(to_api_error(exc, prompt_param, retry))
 
     def charge() -> None:
+        note_usage(gen.prompt_tokens, fmt.completion_tokens)
         state.limiter.charge_tokens(job.tenant, gen.prompt_tokens + fmt.completion_tokens)
 
     if req.stream:
