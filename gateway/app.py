@@ -32,6 +32,7 @@ from gateway import protocol, serving
 from gateway.errors import APIError, error_response, to_api_error, unavailable
 from gateway.limits import RateLimiter
 from gateway.local import LocalBackend
+from gateway.remote import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
 
@@ -255,6 +256,7 @@ def create_app(
         limiter=RateLimiter(settings.limits.rpm, settings.limits.tpm),
         registry=CollectorRegistry(),
     )
+    state.router = routing = RoutingService(settings)  # router/: tiers, strategy, upstreams; raises on bad config
     if engine is not None:
         state.backend = LocalBackend(engine, settings.limits.default_max_tokens)
 
@@ -266,6 +268,7 @@ def create_app(
         yield
         if task is not None:
             task.cancel()
+        await routing.aclose()
 
     routes = [
         Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),

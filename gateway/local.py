@@ -152,8 +152,10 @@ class LocalBackend:
                         finish = "stop"
                         break
                 if finish is None and step.finish_reason is not None:
-                    if step.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-                        raise EngineStopped(step.error or "generation was aborted by the engine")
+                    if step.finish_reason == FinishReason.ABORT:  # the engine is shutting down
+                        raise EngineStopped("generation was aborted by the engine")
+                    if step.finish_reason == FinishReason.ERROR:
+                        raise RuntimeError(f"generation failed: {step.error}")
                     tail = matcher.feed(detok.flush())
                     tail += matcher.flush()
                     if texts:

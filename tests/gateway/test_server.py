@@ -41,7 +41,7 @@ def test_chat_non_streamed(client: openai.OpenAI) -> None:
 
 
 def test_greedy_stream_equals_non_stream(client: openai.OpenAI) -> None:
-    kw = dict(model="tiny", messages=CHAT, max_tokens=40, temperature=0)
+    kw = dict(model="tiny", messages=CHAT, max_tokens=24, temperature=0)
     whole = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     chunks = list(client.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -73,7 +73,7 @@ def test_stream_include_usage(client: openai.OpenAI, granularity: str) -> None:
 
 
 def test_seeded_sampling_repeats_and_n_differs(client: openai.OpenAI) -> None:
-    kw = dict(model="tiny", messages=CHAT, max_tokens=12, temperature=1.0, seed=7, n=2)
+    kw = dict(model="tiny", messages=CHAT, max_tokens=6, temperature=1.0, seed=7, n=2)
     a = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     b = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     assert [c.index for c in a.choices] == [0, 1]
@@ -160,7 +160,7 @@ def test_raw_non_streamed_shape(server: Server, headers: dict[str, str]) -> None
 
 
 def test_keepalive_ping_during_slow_stream(server: Server, headers: dict[str, str]) -> None:
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 60, "stream": True, "stream_granularity": "token"}
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 30, "stream": True, "stream_granularity": "token"}
     with httpx.stream("POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=30) as r:
         raw = r.read().decode()
     assert ": ping" in raw  # the server pings every 0.2 s in this configuration

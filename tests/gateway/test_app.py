@@ -1,0 +1,211 @@
+"""The app in process: scripted engine for exact text, the real tiny engine for disconnects.
+
+Disconnect tests drive the ASGI app with hand-made receive/send, as sse-starlette's own tests do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from decoding.async_engine import AsyncEngine
+from decoding.engine import Engine
+from gateway.app import create_app, tenant_of
+from gateway.settings import Settings, load_settings
+from tests.gateway.fakes import ScriptedEngine, token_ids
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def settings(**limits: Any) -> Settings:
+    return load_settings(overrides={"limits": limits} if limits else None, env={})
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def sse_data(raw: str) -> list[str]:
+    return [e[6:] for e in raw.split("\n\n") if e.startswith("data: ")]
+
+
+async def test_multibyte_split_across_steps_and_stop_across_tokens() -> None:
+    ids = token_ids("héllo wörld € END tail")
+    # split mid-character ("é" and "€" are 2 and 3 bytes) and mid-stop-string
+    script = [ids[:2], ids[2:3], ids[3:9], ids[9:14], ids[14:16], ids[16:19], ids[19:]]
+    engine = ScriptedEngine(script)
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    async with client(app) as c:
+        body = {"model": "fake", "messages": MSGS, "stop": [" END"]}
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        assert whole["choices"][0]["message"]["content"] == "héllo wörld €"
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        r = await c.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = [json.loads(d) for d in sse_data(r.text)[:-1]]
+        pieces = [ch["choices"][0]["delta"].get("content", "") for ch in chunks]
+        assert "".join(pieces) == "héllo wörld €"
+        assert all("\ufffd" not in p and " E" not in p for p in pieces)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_token_granularity_one_chunk_per_token() -> None:
+    engine = ScriptedEngine([token_ids("abc"), token_ids("de")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    async with client(app) as c:
+        body = {"model": "fake", "prompt": "x", "stream": True, "stream_granularity": "token"}
+        chunks = [json.loads(d) for d in sse_data((await c.post("/v1/completions", json=body)).text)[:-1]]
+        assert [ch["choices"][0]["text"] for ch in chunks] == ["a", "b", "c", "d", "e", ""]
+        body["stream_granularity"] = "step"
+        chunks = [json.loads(d) for d in sse_data((await c.post("/v1/completions", json=body)).text)[:-1]]
+        assert [ch["choices"][0]["text"] for ch in chunks] == ["abc", "de", ""]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_engine_fault_mid_stream_is_one_error_event_then_done() -> None:
+    engine = ScriptedEngine([token_ids("ab"), token_ids("cd")], fail="CUDA fell over")
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    async with client(app) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS, "stream": True})
+        assert r.status_code == 200
+        data = sse_data(r.text)
+        assert data[-1] == "[DONE]"
+        err = json.loads(data[-2])
+        assert err["error"]["type"] == "server_error" and set(err["error"]) == {"message", "type", "param", "code"}
+        assert sum('"error"' in d for d in data) == 1
+        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+
+
+async def test_n_and_seed_reach_the_engine() -> None:
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    async with client(app) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS, "n": 3, "seed": 10, "temperature": 0.5})
+        assert [ch["message"]["content"] for ch in r.json()["choices"]] == ["ok"] * 3
+        assert r.json()["usage"]["completion_tokens"] == 6
+    assert [q.params.seed for q in engine.requests] == [10, 11, 12]
+    assert all(not q.spec.adaptive for q in engine.requests)  # seeded: fixed k so the seed repeats
+
+
+async def test_rate_limits_per_key() -> None:
+    s = load_settings(overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}}, env={})
+    app = create_app(s, engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+    body = {"model": "fake", "messages": MSGS}
+    async with client(app) as c:
+        k1 = {"Authorization": "Bearer k1"}
+        for _ in range(2):
+            r = await c.post("/v1/chat/completions", json=body, headers=k1)
+            assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "2"
+        r = await c.post("/v1/chat/completions", json=body, headers=k1)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
+        r = await c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k2"})
+        assert r.status_code == 200  # another key, another bucket
+
+
+async def test_token_rate_limit() -> None:
+    s = load_settings(overrides={"limits": {"tpm": 30}}, env={})
+    app = create_app(s, engine=ScriptedEngine([token_ids("a" * 40)]))  # type: ignore[arg-type]
+    async with client(app) as c:
+        assert (await c.post("/v1/completions", json={"model": "fake", "prompt": "x"})).status_code == 200
+        r = await c.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+        assert r.status_code == 429 and "x-ratelimit-remaining-tokens" in r.headers
+
+
+async def test_tenant_is_a_hash_of_the_key() -> None:
+    assert tenant_of("sk-a") != tenant_of("sk-b") and "sk-a" not in tenant_of("sk-a")
+
+
+async def test_not_ready_while_loading() -> None:
+    app = create_app(settings())
+    async with client(app) as c:
+        r = await c.get("/ready")
+        assert r.status_code == 503 and r.json() == {"ready": False, "reason": "loading"}
+        r = await c.post("/v1/chat/completions", json={"model": "x", "messages": MSGS})
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "loading"
+        assert (await c.get("/health")).status_code == 200
+
+
+# ---- the real engine on tiny models -------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_engine(tiny_models: Any) -> Any:
+    engine = AsyncEngine(Engine(tiny_models), max_active=2, max_queued=4)
+    yield engine
+    engine.shutdown()
+
+
+async def test_overload_is_an_immediate_503(tiny_models: Any) -> None:
+    engine = AsyncEngine(Engine(tiny_models), max_queued=0)  # nothing may queue
+    try:
+        app = create_app(settings(), engine=engine)
+        async with client(app) as c:
+            r = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+    finally:
+        engine.shutdown()
+
+
+class Conversation:
+    """One HTTP request on a hand-made ASGI channel; ``hang_up`` sends http.disconnect."""
+
+    def __init__(self, body: dict[str, Any]):
+        self.body = json.dumps(body).encode()
+        self.sent: list[dict[str, Any]] = []
+        self.gone = asyncio.Event()
+        self.first_body = asyncio.Event()
+        self._read = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._read:
+            self._read = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and b"content" in message.get("body", b""):
+            self.first_body.set()
+
+    def scope(self) -> dict[str, Any]:
+        return {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "root_path": "", "query_string": b"", "client": ("test", 1), "server": ("test", 80),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(self.body)).encode())],
+        }
+
+
+async def _steps_stop_moving(engine: AsyncEngine) -> None:
+    for _ in range(100):  # the abort lands within one step
+        if engine.active == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.active == 0
+    before = engine.total_steps
+    await asyncio.sleep(0.3)
+    assert engine.total_steps == before
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_stops_generation(tiny_engine: AsyncEngine, stream: bool) -> None:
+    app = create_app(settings(), engine=tiny_engine)
+    conv = Conversation({"model": "tiny", "messages": MSGS, "max_tokens": 400, "temperature": 0, "stream": stream})
+    task = asyncio.create_task(app(conv.scope(), conv.receive, conv.send))
+    while tiny_engine.total_steps < 3:
+        await asyncio.sleep(0.01)
+    if stream:
+        await asyncio.wait_for(conv.first_body.wait(), 30)
+    assert tiny_engine.active == 1  # still generating when the client leaves
+    steps_at_hangup = tiny_engine.total_steps
+    conv.gone.set()
+    await asyncio.wait_for(task, 10)
+    await _steps_stop_moving(tiny_engine)
+    assert tiny_engine.total_steps - steps_at_hangup < 50  # far from the 400 it was asked for
