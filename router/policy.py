@@ -38,7 +38,7 @@ class RouteDecision:
     model: str  # local model name, or the upstream's model name
     backend: BackendKind
     upstream: str | None  # set for remote backends
-    strategy: SpecMode  # resolved: never AUTO for local backends; OFF for remote ones (not ours to pick)
+    strategy: SpecMode  # routed local: never AUTO; explicit models: AUTO unless overridden; remote: OFF
     max_k: int
     score: float  # complexity in [0, 1]; 0.0 for explicit models
     reasons: tuple[str, ...]
@@ -168,11 +168,20 @@ class Router:
                 EXPLICIT, up.model, BackendKind.REMOTE, up.name, SpecMode.OFF, self.settings.strategy.max_k, 0.0,
                 ("explicit", "remote"), routed=False,
             )  # fmt: skip
-        # A name the router does not know still goes to the engine, whose UnknownModel becomes a 404.
-        strategy, k, why = self._strategy(model, f, temp, mode, max_k, True)
-        return RouteDecision(
-            EXPLICIT, model, BackendKind.LOCAL, None, strategy, k, 0.0, ("explicit", *why), routed=False
-        )
+        # A named model keeps the engine's own choice (AUTO) unless the request overrides it: naming
+        # a model opts out of routing, strategy included. A name the router does not know still goes
+        # to the engine, whose UnknownModel becomes a 404.
+        limits = self.settings.strategy
+        chosen = SpecMode.AUTO
+        why = ["explicit"]
+        if mode is not None and mode != SpecMode.AUTO:
+            if mode in limits.allowed_modes:
+                chosen = mode
+                why.append(f"override-{mode.value}")
+            else:
+                why.append(f"override-{mode.value}-not-allowed")
+        k = max(1, min(limits.max_k, max_k) if max_k is not None else limits.max_k)
+        return RouteDecision(EXPLICIT, model, BackendKind.LOCAL, None, chosen, k, 0.0, tuple(why), routed=False)
 
     def _strategy(
         self, model: str, f: Features, temp: float, mode: SpecMode | None, max_k: int | None, speculation: bool

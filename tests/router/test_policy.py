@@ -67,8 +67,9 @@ def test_conversation_length_and_multipart_content_count() -> None:
 def test_explicit_models_skip_routing() -> None:
     r = Router(RouterSettings(), upstreams=[UpstreamSettings(name="vllm", base_url="http://x/v1", model="big")])
     d = r.route("qwen2.5-coder-1.5b", prompt="hi", temperature=0)
-    assert (d.tier, d.model, d.strategy, d.routed, d.score) == ("explicit", "qwen2.5-coder-1.5b", SpecMode.DRAFT, False, 0.0)
-    assert r.route("qwen2.5-coder-0.5b", prompt="hi").strategy == SpecMode.OFF  # no draft, not grounded
+    # naming a model opts out of routing, strategy included: the engine's AUTO unless overridden
+    assert (d.tier, d.model, d.strategy, d.routed, d.score) == ("explicit", "qwen2.5-coder-1.5b", SpecMode.AUTO, False, 0.0)
+    assert r.route("qwen2.5-coder-0.5b", prompt="hi", speculative={"mode": "ngram", "max_k": 3}).spec_params().max_k == 3
     assert r.route("mystery", prompt="hi").model == "mystery"  # the engine answers 404 for it
     remote = r.route("vllm", prompt="hi")
     assert (remote.backend, remote.upstream, remote.model) == (BackendKind.REMOTE, "vllm", "big")
