@@ -1,0 +1,200 @@
+"""``ResponseCache``: the exact tier, then the semantic tier, over a Redis or in-process backend.
+
+It never raises into the request path: any backend or embedder failure is logged, counted, and
+answered as a miss (lookup) or a skipped write (store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from gateway.cache import guard
+from gateway.cache.backend import Backend, MemoryBackend, SemanticPart
+from gateway.cache.breaker import CircuitBreaker
+from gateway.cache.embedder import Embedder, SentenceEmbedder
+from gateway.cache.lsh import HyperplaneLSH, pack, unpack
+from gateway.cache.query import CacheQuery, Endpoint, build_query, cacheable, parse_controls
+from gateway.cache.response import CachedResponse, CacheHit
+from gateway.cache.settings import CacheSettings
+
+log = logging.getLogger("specgate.cache")
+EMBED_DIM = 384  # all-MiniLM-L6-v2
+
+
+class ResponseCache:
+    def __init__(
+        self,
+        settings: CacheSettings,
+        backend: Backend | None = None,
+        embedder: Embedder | None = None,
+    ):
+        self.settings = settings
+        self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
+        if backend is None:
+            backend = self._default_backend(settings)
+        self.backend = backend
+        self.embedder: Embedder | None = embedder
+        if embedder is None and settings.semantic:
+            self.embedder = SentenceEmbedder(settings.embedder_model, settings.embedder_threads)
+        self.lsh = HyperplaneLSH(EMBED_DIM, settings.lsh_bands, settings.lsh_bits, settings.lsh_seed)
+        self.stats: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task[bool]] = set()
+
+    def _default_backend(self, s: CacheSettings) -> Backend:
+        if s.redis_url is None:
+            return MemoryBackend(s.lru_size)
+        from gateway.cache.redis_backend import RedisBackend
+
+        return RedisBackend(
+            s.redis_url, s.key_prefix, s.timeout_ms / 1000, s.connect_timeout_ms / 1000, self.breaker
+        )
+
+    @property
+    def kind(self) -> str:
+        return "redis" if self.settings.redis_url else "memory"
+
+    async def start(self) -> None:
+        """Begin loading the embedder in the background; the gateway serves (exact-only) meanwhile."""
+        if self.settings.enabled and isinstance(self.embedder, SentenceEmbedder):
+            self.embedder.start()
+
+    async def close(self) -> None:
+        await self.drain()
+        await self.backend.close()
+        if isinstance(self.embedder, SentenceEmbedder):
+            self.embedder.close()
+
+    # ---- building queries -----------------------------------------------------------------------
+
+    def query(
+        self,
+        body: Mapping[str, Any],
+        *,
+        tenant: str,
+        endpoint: Endpoint,
+        headers: Mapping[str, str] | None = None,
+        prompt_tokens: int | None = None,
+        default_temperature: float = 1.0,
+    ) -> CacheQuery | None:
+        """The request as a ``CacheQuery``, or None when the cache must not touch it (disabled, or
+        logprobs asked for). Raises ``CacheControlError`` for a malformed ``cache`` body field."""
+        controls = parse_controls(headers or {}, body, self.settings.max_ttl_s)
+        if not self.settings.enabled or not cacheable(body):
+            return None
+        return build_query(
+            body,
+            tenant=tenant,
+            endpoint=endpoint,
+            controls=controls,
+            default_temperature=default_temperature,
+            semantic_max_temperature=self.settings.semantic_max_temperature,
+            semantic_max_chars=self.settings.semantic_max_chars,
+            embedder_id=self.embedder.id if self.embedder is not None else "",
+            prompt_tokens=prompt_tokens,
+        )
+
+    # ---- lookup ---------------------------------------------------------------------------------
+
+    async def lookup(self, q: CacheQuery) -> CacheHit | None:
+        if not self.settings.enabled or q.controls.no_cache:
+            return None
+        try:
+            hit = await self._lookup(q)
+        except Exception as exc:  # fail open: the request is served uncached
+            self.stats["errors"] += 1
+            log.debug("cache lookup failed open: %s", exc)
+            hit = None
+        self.stats[hit.tier if hit else "misses"] += 1
+        return hit
+
+    async def _lookup(self, q: CacheQuery) -> CacheHit | None:
+        blob = await self.backend.get(q.tenant_tag, q.exact_key)
+        if blob is not None:
+            return CacheHit("exact", 1.0, CachedResponse.from_bytes(blob))
+        vec = await self._embed(q)
+        if vec is None:
+            return None
+        want = guard.features(q.semantic_text or "")
+        cands = await self.backend.candidates(
+            q.tenant_tag, self._scope(q), self.lsh.signatures(vec), self.settings.lsh_bucket_limit
+        )
+        scored = sorted(((float(unpack(c.vector) @ vec), c) for c in cands), key=lambda t: -t[0])
+        for sim, cand in scored:
+            if sim < self.settings.semantic_threshold:
+                break
+            if not guard.compatible(want, guard.Features.from_json(json.loads(cand.features))):
+                self.stats["guard_refused"] += 1
+                continue
+            blob = await self.backend.get(q.tenant_tag, cand.key)
+            if blob is not None:
+                return CacheHit("semantic", min(sim, 1.0), CachedResponse.from_bytes(blob))
+        return None
+
+    async def _embed(self, q: CacheQuery) -> np.ndarray | None:
+        if (
+            q.embedding is None
+            and q.semantic_text is not None
+            and self.embedder is not None
+            and self.settings.semantic
+        ):
+            q.embedding = await self.embedder.embed(q.semantic_text)
+        return q.embedding
+
+    def _scope(self, q: CacheQuery) -> str:
+        return f"{q.scope_key}:{self.lsh.fingerprint}"
+
+    # ---- store ----------------------------------------------------------------------------------
+
+    async def store(self, q: CacheQuery, response: CachedResponse, ttl_s: int | None = None) -> bool:
+        """Store a complete, successful generation. True when written; never raises."""
+        if not self.settings.enabled or q.controls.no_store or not response.storable:
+            return False
+        try:
+            blob = response.to_bytes()
+            if len(blob) > self.settings.max_response_bytes:
+                self.stats["store_too_large"] += 1
+                return False
+            ttl = min(q.controls.ttl_s or ttl_s or self.settings.ttl_s, self.settings.max_ttl_s)
+            semantic = None
+            vec = await self._embed(q)
+            if vec is not None:
+                feats = json.dumps(guard.features(q.semantic_text or "").to_json(), separators=(",", ":"))
+                semantic = SemanticPart(self._scope(q), self.lsh.signatures(vec), pack(vec), feats.encode())
+            await self.backend.put(
+                q.tenant_tag, q.exact_key, blob, ttl, self.settings.max_entries_per_tenant, semantic
+            )
+        except Exception as exc:  # fail open: the answer was already served
+            self.stats["store_errors"] += 1
+            log.debug("cache store skipped: %s", exc)
+            return False
+        self.stats["stores"] += 1
+        return True
+
+    def store_later(self, q: CacheQuery, response: CachedResponse, ttl_s: int | None = None) -> None:
+        """``store`` in a background task, so the response is not held up by embedding or Redis."""
+        task = asyncio.get_running_loop().create_task(self.store(q, response, ttl_s))
+        self._tasks.add(task)  # keep a reference: the loop holds tasks weakly
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for background stores (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def response_from_texts(
+    texts: list[str], finish_reasons: list[str], prompt_tokens: int, completion_tokens: int
+) -> CachedResponse:
+    """Convenience for the gateway: one ``CachedResponse`` from per-choice texts and finish reasons."""
+    from gateway.cache.response import CachedChoice
+
+    choices = tuple(CachedChoice(i, t, f) for i, (t, f) in enumerate(zip(texts, finish_reasons, strict=True)))
+    return CachedResponse(choices, prompt_tokens, completion_tokens, int(time.time()))

@@ -1,0 +1,133 @@
+"""The near-miss guard: a semantic match is refused when the two texts differ in a word that flips
+or pins down the answer, however close their embeddings are.
+
+Sentence embeddings place "what is X" and "what is not X", "sort 5 items" and "sort 50 items",
+"capital of Austria" and "capital of Australia" within a few hundredths of each other, so
+similarity alone cannot tell a paraphrase from a different question (OPENAI-CONTRACT.md lists
+this bug). Paraphrases reword the ordinary words; near misses change one of these:
+
+- negations (not, no, never, without, n't, ...), compared as a count;
+- numbers, digits or spelled out ("five" == "5"), compared as a multiset;
+- polarity words (largest/smallest, ascending/descending, before/after, ...), compared as a set;
+- named things: capitalised words outside the sentence-initial position (or sentence-initial words
+  that are not common English), ALLCAPS, code identifiers (snake_case, camelCase, dotted.names),
+  quoted or back-ticked strings, and operator symbols.
+
+The features are small, so entries store them instead of the prompt text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+_NEGATIONS = _words(
+    "not no never none nothing nobody nowhere neither nor without cannot cant isnt arent wasnt werent "
+    "dont doesnt didnt wont wouldnt shouldnt couldnt hasnt havent hadnt mustnt neednt aint "
+    "except excluding exclude avoid lack lacks lacking"
+)
+# Both sides of common antonym pairs; any difference in this set refuses the match.
+_POLARITY = _words(
+    "largest smallest biggest least most more less fewer greater lower higher lowest highest maximum minimum "
+    "max min increase decrease increasing decreasing ascending descending before after first last best worst "
+    "above below over under inside outside add remove insert delete encrypt decrypt encode decode true false "
+    "enable disable open close start stop upper lower left right north south east west old new older newer "
+    "oldest newest early late earlier later fast slow faster slower hot cold warm cool positive negative "
+    "odd even prefix suffix import export input output push pop buy sell win lose"
+)
+_NUMBER_WORDS = {
+    "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
+    "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12", "thirteen": "13",
+    "fourteen": "14", "fifteen": "15", "sixteen": "16", "seventeen": "17", "eighteen": "18",
+    "nineteen": "19", "twenty": "20", "thirty": "30", "forty": "40", "fifty": "50", "hundred": "100",
+    "thousand": "1000", "million": "1000000", "billion": "1000000000", "dozen": "12", "half": "0.5",
+    "once": "1", "twice": "2", "single": "1", "double": "2", "triple": "3", "pair": "2",
+}  # fmt: skip
+_ORDINALS = {"first": "1", "second": "2", "third": "3", "fourth": "4", "fifth": "5", "tenth": "10"}
+# Words that start sentences in questions and instructions; capitalised there, they name nothing.
+_COMMON = _words(
+    "a an the what which who whom whose why how when where is are was were be do does did can could "
+    "should would will shall may might must please tell give show list explain describe define write "
+    "create make generate find compute calculate convert translate summarize summarise compare name "
+    "i im ive id you your we our they it its this that these those there here in on at for of to from "
+    "by with about as if and or but so then also just hey hi hello ok okay quick briefly simply now "
+    "help implement return print sort reverse check count get set use using let lets say provide "
+    "whats whos hows wheres whens whys difference meaning definition my me recommend suggest "
+    "fix debug refactor optimize optimise rewrite improve review outline draft plan run try"
+)
+
+_WORD = re.compile(r"`[^`]*`|\"[^\"]*\"|[A-Za-z_][\w.']*[\w]|[A-Za-z]|\d+(?:[.,]\d+)*|[<>=!+\-*/%&|^~]{1,3}")
+_SENTENCE_END = re.compile(r"[.!?:;\n]\s*$")
+_OPERATORS = re.compile(r"^[<>=!+\-*/%&|^~]{1,3}$")
+_IDENT = re.compile(r"_|[a-z][A-Z]|\w\.\w")
+
+
+@dataclass(frozen=True)
+class Features:
+    negations: int
+    numbers: tuple[str, ...]  # sorted multiset
+    polarity: tuple[str, ...]  # sorted set
+    names: tuple[str, ...]  # sorted set, lowercased
+
+    def to_json(self) -> list[object]:
+        return [self.negations, list(self.numbers), list(self.polarity), list(self.names)]
+
+    @classmethod
+    def from_json(cls, raw: list[object]) -> Features:
+        neg, nums, pol, names = raw
+        return cls(int(neg), tuple(nums), tuple(pol), tuple(names))  # type: ignore[arg-type, call-overload]
+
+
+def features(text: str) -> Features:
+    negations = 0
+    numbers: list[str] = []
+    polarity: set[str] = set()
+    names: set[str] = set()
+    sentence_start = True
+    for m in _WORD.finditer(text):
+        tok = m.group()
+        preceding = text[max(0, m.start() - 3) : m.start()]
+        if m.start() > 0 and _SENTENCE_END.search(preceding):
+            sentence_start = True
+        if tok[0] in '`"':
+            names.add(tok.lower())
+        elif tok[0].isdigit():
+            numbers.append(tok.replace(",", ""))
+        elif _OPERATORS.match(tok):
+            if tok not in ("-",):  # a hyphen between words is not an operator
+                names.add(tok)
+        else:
+            word = tok.lower().rstrip("'").removesuffix("'s")
+            bare = word.replace("'", "")
+            if bare in _NEGATIONS or word.endswith("n't"):
+                negations += 1
+            elif bare in _NUMBER_WORDS:
+                numbers.append(_NUMBER_WORDS[bare])
+            elif bare in _ORDINALS and bare not in _POLARITY:
+                numbers.append(_ORDINALS[bare])
+            if bare in _POLARITY:
+                polarity.add(bare)
+            if _is_name(tok, sentence_start, bare):
+                names.add(bare)
+        sentence_start = False
+    return Features(negations, tuple(sorted(numbers)), tuple(sorted(polarity)), tuple(sorted(names)))
+
+
+def _is_name(tok: str, sentence_start: bool, bare: str) -> bool:
+    if _IDENT.search(tok):
+        return True
+    if tok.isupper() and len(tok) > 1:
+        return True  # acronyms: SQL, HTTP
+    if tok[0].isupper() and tok.lower() != "i":
+        return not (sentence_start and bare in _COMMON)
+    return False
+
+
+def compatible(a: Features, b: Features) -> bool:
+    """True when nothing answer-changing differs between the two texts."""
+    return a == b

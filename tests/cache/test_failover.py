@@ -1,0 +1,153 @@
+"""Fail open against real redis-servers: stopped, restarted, and one that never answers; the breaker;
+the key layout (one hash tag per tenant, compact entries, no prompt text)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from gateway.cache import CacheSettings, ResponseCache
+from gateway.cache.breaker import CircuitBreaker
+from gateway.cache.embedder import SentenceEmbedder
+from tests.cache.conftest import RedisProcess
+from tests.cache.test_cache import chat, get, put
+
+
+def redis_cache(url: str, embedder: SentenceEmbedder, **overrides: object) -> ResponseCache:
+    settings = CacheSettings(redis_url=url, key_prefix=f"t-{uuid.uuid4().hex[:8]}", **overrides)  # type: ignore[arg-type]
+    return ResponseCache(settings, embedder=embedder)
+
+
+async def timed(coro: object) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    result = await coro  # type: ignore[misc]
+    return result, time.perf_counter() - t0
+
+
+async def test_redis_stopped_then_restarted(own_redis: RedisProcess, embedder: SentenceEmbedder) -> None:
+    cache = redis_cache(own_redis.url, embedder, breaker_failures=3, breaker_cooldown_s=0.3)
+    await put(cache, chat("before"), "x")
+    assert await get(cache, chat("before")) == "exact:x"
+
+    own_redis.stop()
+    for _ in range(3):  # each fails fast (connection refused / 50 ms timeout) and counts as a miss
+        hit, took = await timed(get(cache, chat("before")))
+        assert hit is None and took < 0.5
+    assert not await put(cache, chat("during"), "y"), "a write to a dead Redis is skipped"
+    assert cache.breaker.state == "open"
+    hit, took = await timed(get(cache, chat("before")))
+    assert hit is None and took < 0.02, "an open circuit answers without touching the network"
+    assert cache.stats["errors"] >= 4
+
+    own_redis.start()  # same port, empty (no persistence)
+    await asyncio.sleep(0.35)  # past the cooldown: the next call is the probe
+    assert await get(cache, chat("before")) is None
+    assert cache.breaker.state == "closed"
+    assert await put(cache, chat("after"), "z")
+    assert await get(cache, chat("after")) == "exact:z", "caching resumes on its own"
+    await cache.backend.close()
+
+
+async def test_redis_that_never_answers_times_out(embedder: SentenceEmbedder) -> None:
+    """A server that accepts connections and then says nothing (a hung or overloaded Redis)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hang(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cache = redis_cache(f"redis://127.0.0.1:{port}/0", embedder, timeout_ms=50, breaker_failures=2)
+    hit, took = await timed(get(cache, chat("anything")))
+    assert hit is None and took < 0.3, f"lookup took {took:.3f}s against a 50 ms budget"
+    stored, took = await timed(put(cache, chat("anything"), "x"))
+    assert stored is False and took < 0.3
+    assert cache.breaker.state == "open"
+    await cache.backend.close()
+    for w in held:
+        w.close()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_nothing_listening(embedder: SentenceEmbedder) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connection refused
+    cache = redis_cache(f"redis://127.0.0.1:{port}/0", embedder)
+    assert await get(cache, chat("q")) is None
+    assert not await put(cache, chat("q"), "x")
+    await cache.backend.close()
+
+
+def test_breaker_opens_half_opens_and_closes() -> None:
+    now = [0.0]
+    b = CircuitBreaker(failures=2, cooldown_s=1.0, clock=lambda: now[0])
+    assert b.allow()
+    b.failure()
+    assert b.state == "closed" and b.allow()
+    b.failure()
+    assert b.state == "open" and not b.allow()
+    now[0] = 1.0
+    assert b.allow() and b.state == "half_open", "one probe after the cooldown"
+    assert not b.allow(), "only one probe at a time"
+    b.failure()
+    assert b.state == "open" and not b.allow(), "a failed probe reopens for a full cooldown"
+    now[0] = 2.5
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.failures == 0 and b.times_opened == 1
+
+
+async def test_key_layout_and_entry_size(redis_server: RedisProcess, embedder: SentenceEmbedder) -> None:
+    cache = redis_cache(redis_server.url, embedder)
+    long_system = "You are a careful assistant. " * 200
+    for i in range(3):
+        await put(
+            cache,
+            chat(f"How do I reverse a list number {i} in Python?", system=long_system),
+            "use reversed()",
+        )
+    await put(cache, chat("What is a mutex?"), "a lock", tenant="globex")
+    client = aioredis.Redis.from_url(redis_server.url)
+    keys = [k.decode() async for k in client.scan_iter(f"{cache.settings.key_prefix}:*")]
+    tags = {k.split(":")[1] for k in keys}
+    assert len(tags) == 2 and all(t.startswith("{") and t.endswith("}") for t in tags), keys
+    entries = [k for k in keys if ":e:" in k]
+    assert len(entries) == 4
+    for k in entries:
+        fields = await client.hgetall(k)
+        assert len(fields[b"v"]) == 384 * 2, "float16 embedding"
+        assert b"careful assistant" not in b"".join(fields.values()), "no copy of the prompt"
+        assert 0 < await client.ttl(k) <= cache.settings.ttl_s
+    await client.delete(*keys)
+    await client.aclose()
+    await cache.backend.close()
+
+
+async def test_lookup_reads_bounded_candidates(
+    redis_server: RedisProcess, embedder: SentenceEmbedder
+) -> None:
+    cache = redis_cache(redis_server.url, embedder, lsh_bucket_limit=8)
+    topics = ["sorting", "hashing", "threads", "sockets", "regex", "recursion", "closures", "generators"]
+    for t in topics:
+        for form in (f"Explain {t} in Python.", f"Explain {t} in Go.", f"What are {t} used for?"):
+            await put(cache, chat(form), f"about {t}")
+    q = cache.query(chat("Please explain regex in Python."), tenant="acme", endpoint="chat")
+    assert q is not None
+    hit = await cache.lookup(q)
+    assert hit is not None and hit.response.choices[0].text == "about regex"
+    assert q.embedding is not None
+    cands = await cache.backend.candidates(
+        q.tenant_tag, cache._scope(q), cache.lsh.signatures(q.embedding), 8
+    )
+    assert len(cands) <= 16
+    client = aioredis.Redis.from_url(redis_server.url)
+    keys = [k async for k in client.scan_iter(f"{cache.settings.key_prefix}:*")]
+    await client.delete(*keys)
+    await client.aclose()
+    await cache.backend.close()

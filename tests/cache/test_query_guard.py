@@ -1,0 +1,89 @@
+"""Key normalisation and the near-miss guard, without any store."""
+
+from __future__ import annotations
+
+from gateway.cache.guard import compatible, features
+from gateway.cache.query import build_query, parse_controls
+
+
+def key(body: dict[str, object], tenant: str = "t") -> str:
+    return build_query(body, tenant=tenant, endpoint="chat").exact_key
+
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+def test_equivalent_bodies_share_a_key() -> None:
+    same = [
+        {**BASE, "temperature": 0.0},
+        {**BASE, "n": 1, "presence_penalty": 0, "stop": [], "speculative": {"mode": "ngram"}},
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+        {**BASE, "stream": True, "stream_options": {"include_usage": True}, "cache": {"ttl": 5}, "user": "x"},
+        {**BASE, "messages": [{"role": "user", "content": "hi", "name": None}]},
+    ]
+    assert {key(b) for b in same} == {key(BASE)}
+
+
+def test_output_changing_fields_split_the_key() -> None:
+    variants = [
+        {**BASE, "temperature": 0.1},
+        {k: v for k, v in BASE.items() if k != "temperature"},  # absent: the gateway's default applies
+        {**BASE, "max_tokens": 5},
+        {**BASE, "stop": "x"},
+        {**BASE, "seed": 3},
+        {**BASE, "n": 2},
+        {**BASE, "top_k": 5},
+        {**BASE, "frequency_penalty": 0.2},
+        {**BASE, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {**BASE, "some_future_param": 1},
+        {**BASE, "model": "m2"},
+        {**BASE, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]},
+        {**BASE, "messages": [{"role": "user", "content": "hi "}]},
+    ]
+    keys = [key(b) for b in variants] + [key(BASE), key(BASE, tenant="u")]
+    assert len(set(keys)) == len(keys)
+    assert key({**BASE, "stop": "x"}) == key({**BASE, "stop": ["x"]})
+    assert key({**BASE, "max_completion_tokens": 5}) == key({**BASE, "max_tokens": 5})
+
+
+def test_semantic_eligibility() -> None:
+    assert build_query(BASE, tenant="t", endpoint="chat").semantic_text == "hi"
+    multi = {**BASE, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assert build_query(multi, tenant="t", endpoint="chat").semantic_text is None, (
+        "last turn is not the user's"
+    )
+    long = {**BASE, "messages": [{"role": "user", "content": "x" * 2000}]}
+    assert build_query(long, tenant="t", endpoint="chat").semantic_text is None
+    hot = build_query({**BASE, "temperature": 0.3}, tenant="t", endpoint="chat", semantic_max_temperature=0.5)
+    assert hot.semantic_text == "hi"
+
+
+def test_semantic_scope_keeps_earlier_turns() -> None:
+    def conv(first: str, last: str) -> str:
+        msgs = [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": last},
+        ]
+        return build_query({**BASE, "messages": msgs}, tenant="t", endpoint="chat").scope_key
+
+    assert conv("a", "x") == conv("a", "y")
+    assert conv("a", "x") != conv("b", "x")
+
+
+def test_controls() -> None:
+    c = parse_controls({"Cache-Control": "no-store, no-cache"}, {}, 100)
+    assert c.no_cache and c.no_store and c.ttl_s is None
+    c = parse_controls({}, {"cache": {"ttl": 60, "no_store": True}}, 100)
+    assert not c.no_cache and c.no_store and c.ttl_s == 60
+
+
+def test_guard_features() -> None:
+    f = features("Isn't the `parse_args` result in Python 3.12 the largest, not five?")
+    assert f.negations == 2 and f.numbers == ("3.12", "5") and f.polarity == ("largest",)
+    assert "`parse_args`" in f.names and "python" in f.names
+    assert compatible(features("List the top five tips."), features("Give me the top 5 tips."))
+    assert compatible(features("What is the capital of France?"), features("Which city is France's capital?"))
+    assert not compatible(features("What is X?"), features("What is not X?"))
+    assert not compatible(features("x < y"), features("x <= y"))
+    assert not compatible(features("Call getUser."), features("Call getUsers."))
