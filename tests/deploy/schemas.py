@@ -52,7 +52,9 @@ def _strict(node: Any) -> Any:
 @functools.cache
 def _crd_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator:
     if (api_version, kind) == ("monitoring.coreos.com/v1", "ServiceMonitor"):
-        model = _need("cloudcoil.models.prometheus_operator.v1", "cloudcoil[prometheus-operator]").ServiceMonitor
+        model = _need(
+            "cloudcoil.models.prometheus_operator.v1", "cloudcoil[prometheus-operator]"
+        ).ServiceMonitor
     elif (api_version, kind) == ("keda.sh/v1alpha1", "ScaledObject"):
         model = _need("cloudcoil.models.keda.v1alpha1", "cloudcoil[keda]").ScaledObject
     else:
@@ -66,7 +68,9 @@ def kubernetes_errors(doc: dict[str, Any]) -> list[str]:
     where = f"{kind} {doc.get('metadata', {}).get('name')}"
     group = api_version.split("/")[0] if "/" in api_version else ""
     if "." in group and not group.endswith(".k8s.io"):  # a group outside Kubernetes: a custom resource
-        return [f"{where}: {e.json_path}: {e.message}" for e in _crd_validator(api_version, kind).iter_errors(doc)]
+        return [
+            f"{where}: {e.json_path}: {e.message}" for e in _crd_validator(api_version, kind).iter_errors(doc)
+        ]
     kv = _need("kubernetes_validate", "kubernetes-validate")
     errors = []
     for version in kubernetes_versions():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,17 +27,23 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "redis": {"existingSecret": "specgate-redis"},
         "otel": {"endpoint": "http://otel-collector.observability:4318"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "extraEnv": [{"name": "SPECGATE_LOG_JSON", "value": "true"}],
+        "extraEnv": [{"name": "SPECGATE_OBSERVABILITY__LOG_JSON", "value": "true"}],
     },
     "keda-config-no-persistence": {
         "replicaCount": 3,
         "autoscaling": {"enabled": True, "kind": "keda"},
         "redis": {"url": "redis://redis.llm.svc:6379/0"},
         "modelStore": {"persistence": {"enabled": False}},
-        "config": {"upstreams": [{"name": "vllm", "base_url": "http://vllm:8000/v1", "model": "big", "api_key_env": "VLLM_KEY"}]},
+        "config": {
+            "upstreams": [
+                {"name": "vllm", "base_url": "http://vllm:8000/v1", "model": "big", "api_key_env": "VLLM_KEY"}
+            ]
+        },
         "podDisruptionBudget": {"enabled": False},
     },
-    "existing-claim": {"modelStore": {"persistence": {"existingClaim": "shared-models", "accessModes": ["ReadWriteMany"]}}},
+    "existing-claim": {
+        "modelStore": {"persistence": {"existingClaim": "shared-models", "accessModes": ["ReadWriteMany"]}}
+    },
 }
 
 
@@ -59,15 +66,23 @@ def test_every_manifest_passes_the_kubernetes_schemas(scenario: tuple[str, list[
     assert errors == [], f"{name}:\n" + "\n".join(errors)
 
 
-MISTAKES = {
+MISTAKES: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     # (kind to mutate, mutation): each is a plausible slip the schema check must catch
-    "unknown container field": ("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][0].update(livenessprobe={})),
+    "unknown container field": (
+        "Deployment",
+        lambda d: d["spec"]["template"]["spec"]["containers"][0].update(livenessprobe={}),
+    ),
     "probe port of the wrong type": (
         "Deployment",
-        lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"].update(port=[8000]),
+        lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"].update(
+            port=[8000]
+        ),
     ),
     "Service without ports' port": ("Service", lambda d: d["spec"]["ports"][0].pop("port")),
-    "HPA v1 field in v2": ("HorizontalPodAutoscaler", lambda d: d["spec"].update(targetCPUUtilizationPercentage=80)),
+    "HPA v1 field in v2": (
+        "HorizontalPodAutoscaler",
+        lambda d: d["spec"].update(targetCPUUtilizationPercentage=80),
+    ),
     "ServiceMonitor typo": ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(intervall="15s")),
     "ScaledObject without triggers": ("ScaledObject", lambda d: d["spec"].pop("triggers")),
 }
@@ -92,14 +107,26 @@ def test_names_and_labels_are_valid(scenario: tuple[str, list[dict[str, Any]]]) 
 
 def test_defaults_render_the_minimal_release() -> None:
     docs = render()
-    assert sorted(d["kind"] for d in docs) == ["Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service"]
+    assert sorted(d["kind"] for d in docs) == [
+        "Deployment",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "Service",
+    ]
     deploy = one(docs, "Deployment")
     assert deploy["spec"]["replicas"] == 1
     pod = deploy["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
-    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == one(docs, "PersistentVolumeClaim")["metadata"]["name"]
+    assert (
+        pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+        == one(docs, "PersistentVolumeClaim")["metadata"]["name"]
+    )
     e = env(gateway_container(docs))
-    assert "SPECGATE_API_KEYS" not in e and "SPECGATE_REDIS_URL" not in e and "OTEL_EXPORTER_OTLP_ENDPOINT" not in e
+    assert (
+        "SPECGATE_API_KEYS" not in e
+        and "SPECGATE_CACHE__REDIS_URL" not in e
+        and "OTEL_EXPORTER_OTLP_ENDPOINT" not in e
+    )
 
 
 def test_probes_use_health_for_liveness_and_ready_for_readiness() -> None:
@@ -114,7 +141,7 @@ def test_grace_period_covers_prestop_and_drain() -> None:
     docs = render({"drainTimeoutSeconds": 60, "preStopSleepSeconds": 10, "terminationGracePeriodSeconds": 90})
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     c = gateway_container(docs)
-    assert env(c)["SPECGATE_DRAIN_TIMEOUT_S"] == "60"
+    assert env(c)["SPECGATE_LIMITS__DRAIN_TIMEOUT_S"] == "60"
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
     assert pod["terminationGracePeriodSeconds"] == 90
 
@@ -139,7 +166,11 @@ def test_hpa_scales_on_the_gateway_queue_depth_gauge() -> None:
     docs = render({"autoscaling": {"enabled": True}})
     hpa = one(docs, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specgate"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "specgate",
+    }
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods"
     name = metric["pods"]["metric"]["name"]
@@ -154,7 +185,10 @@ def test_keda_option_replaces_the_hpa() -> None:
     so = one(docs, "ScaledObject")
     (trigger,) = so["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
-    assert trigger["metadata"]["query"] == f'sum(specgate_engine_queue_depth{{namespace="{NAMESPACE}", pod=~"specgate-.*"}})'
+    assert (
+        trigger["metadata"]["query"]
+        == f'sum(specgate_engine_queue_depth{{namespace="{NAMESPACE}", pod=~"specgate-.*"}})'
+    )
     assert so["spec"]["scaleTargetRef"]["name"] == one(docs, "Deployment")["metadata"]["name"]
 
 
@@ -169,7 +203,7 @@ def test_secrets_are_referenced_never_inlined() -> None:
     c = gateway_container(docs)
     e = env(c)
     assert e["SPECGATE_API_KEYS"] == {"secretKeyRef": {"name": "specgate-keys", "key": "api-keys"}}
-    assert e["SPECGATE_REDIS_URL"] == {"secretKeyRef": {"name": "specgate-redis", "key": "redis-url"}}
+    assert e["SPECGATE_CACHE__REDIS_URL"] == {"secretKeyRef": {"name": "specgate-redis", "key": "redis-url"}}
     assert c["envFrom"] == [{"secretRef": {"name": "specgate-upstream-keys"}}]
     assert not [d for d in docs if d["kind"] == "Secret"]
 

@@ -38,3 +38,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail (printf "terminationGracePeriodSeconds (%v) must exceed preStopSleepSeconds + drainTimeoutSeconds (%v), or the kubelet kills draining requests" .Values.terminationGracePeriodSeconds $needed) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* settings.models as JSON: the target with its draft, and the draft served on its own too. */}}
+{{- define "specgate.models" -}}
+{{- $m := .Values.model -}}
+{{- if $m.draft -}}
+{{- list (dict "name" $m.name "source" $m.name "draft" $m.draft) (dict "name" $m.draft "source" $m.draft) | toJson -}}
+{{- else -}}
+{{- list (dict "name" $m.name "source" $m.name) | toJson -}}
+{{- end -}}
+{{- end -}}
