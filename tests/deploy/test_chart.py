@@ -237,3 +237,17 @@ def test_existing_claim_is_used_and_no_claim_is_created() -> None:
     assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     vol = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"][0]
     assert vol["persistentVolumeClaim"]["claimName"] == "shared-models"
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"gpuu": {"enabled": True}}, "'gpuu' not allowed"),
+        ({"autoscaling": {"kind": "kedaa"}}, "must be one of 'hpa', 'keda'"),
+        ({"redis": {"url": "http://redis:6379"}}, "does not match pattern"),
+        ({"otel": {"protocol": "grpc"}}, "/otel/protocol"),  # only the OTLP/HTTP exporter is installed
+    ],
+)
+def test_values_schema_refuses_typos_and_impossible_values(values: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(Exception, match=re.escape(complaint)):
+        render(values)
