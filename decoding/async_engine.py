@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -105,10 +106,8 @@ class AsyncEngine:
     # ---- the worker thread --------------------------------------------------------------------
 
     def _emit(self, pending: _Pending, out: StepOutput) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the request's loop has closed: nobody is listening
             pending.loop.call_soon_threadsafe(pending.queue.put_nowait, out)
-        except RuntimeError:  # the request's event loop has closed; nobody is listening
-            pass
 
     def _loop(self) -> None:
         while True:

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.controller import SpecController
-from decoding.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
+from decoding.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter
 from decoding.errors import PromptTooLong, UnknownModel
 from decoding.params import (
     FinishReason,

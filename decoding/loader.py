@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding import store, tiny
-from decoding.engine import LoadedModel
+from decoding.engine import LoadedModel, RunnerFactory
 from decoding.errors import ModelLoadError, VocabMismatch
+from decoding.runner import EagerRunner
 
 log = logging.getLogger("specgate.loader")
 
@@ -30,6 +31,13 @@ class ModelSpec:
     dtype: str = "auto"  # auto: bfloat16 on CUDA and CPU, float32 where bf16 is unsupported
     device: str = "auto"
     max_context: int | None = None
+    # how steps run: eager (DynamicCache), static (static cache), cuda_graphs (static + graphs),
+    # compile (static + torch.compile), tensorrt (the `tensorrt` extra); auto: cuda_graphs on CUDA
+    backend: str = "auto"
+    slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
+
+
+BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt")
 
 
 def resolve(source: str, pull: bool = True) -> tuple[Path | str, str | None]:
@@ -86,16 +94,41 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
     model.to(device).eval()
     config_ctx = getattr(model.config, "max_position_embeddings", None) or 4096
+    max_context = spec.max_context or int(config_ctx)
     eos = _eos_ids(model, tokenizer)
+    factory = runner_factory(spec, model, device, max_context)
     log.info("loaded %s from %s on %s/%s in %.1fs", spec.name, where, device, dtype, time.perf_counter() - t0)
     return LoadedModel(
         name=spec.name,
         model=model,
         tokenizer=tokenizer,
         draft=spec.draft,
-        max_context=spec.max_context or int(config_ctx),
+        max_context=max_context,
         eos_token_ids=eos,
+        runner_factory=factory,
     )
+
+
+def runner_factory(spec: ModelSpec, model: PreTrainedModel, device: torch.device, max_context: int) -> RunnerFactory:
+    backend = spec.backend
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"model '{spec.name}': unknown backend '{backend}' (one of {', '.join(BACKENDS)})")
+    if backend == "auto":
+        backend = "cuda_graphs" if device.type == "cuda" else "eager"
+    if backend == "eager":
+        return EagerRunner
+    if backend == "tensorrt":
+        from decoding.trt import tensorrt_runner_factory
+
+        return tensorrt_runner_factory(model, max_context, spec.slots)
+    if backend == "cuda_graphs" and device.type != "cuda":
+        raise ModelLoadError(f"model '{spec.name}': backend cuda_graphs needs a CUDA device, not {device}")
+    from decoding.static import StaticModel
+
+    static = StaticModel(
+        model, max_len=max_context, slots=spec.slots, graphs=backend == "cuda_graphs", compile_step=backend == "compile"
+    )
+    return static.runner
 
 
 def _eos_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class SpecMode(str, Enum):
+class SpecMode(StrEnum):
     """How a request is decoded. ``auto`` lets the engine pick: the draft model when the target
     has one, else prompt lookup."""
 
@@ -125,7 +125,7 @@ class RequestStats:
         }
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop token id (stop strings are the gateway's, on text)
     LENGTH = "length"
     ABORT = "abort"

@@ -13,7 +13,6 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-
 Tokens = list[int] | torch.Tensor  # [T] on any device
 
 

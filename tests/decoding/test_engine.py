@@ -147,7 +147,7 @@ def test_mismatched_pair_is_refused_naming_both(tiny_models):
     tok = AutoTokenizer.from_pretrained(store.model_dir("tiny-random-draft"))
     tok.add_tokens(["<extra>"])
     other.tokenizer = tok
-    with pytest.raises(VocabMismatch, match="odd-draft.*tiny|tiny.*odd-draft"):
+    with pytest.raises(VocabMismatch, match=r"odd-draft.*tiny|tiny.*odd-draft"):
         check_pair(tiny_models["tiny"], other)
 
 

@@ -1,0 +1,276 @@
+"""GPU benchmark (H200): real architectures at real sizes with random weights, bf16, batch 1.
+
+Imports only ``decoding/`` (the device image has torch and transformers, not the web stack).
+Writes a JSON of every number to ``--out``; ``bench/report_gpu.py`` turns it into
+docs/benchmarks.md's GPU section and a plot.
+
+    python -m bench.gpu --out results.json [--quick]
+
+Measured, in one process:
+  1. device copy bandwidth (bytes read + written) and the bandwidth roofline of a target step;
+  2. target-only decode tok/s: transformers eager, our static cache eager, our CUDA graphs;
+  3. draft step cost c = draft step / target step and verification cost c_v(k), k = 1..8;
+  4. speculative tok/s vs target-only at acceptance a in {0.6, 0.7, 0.8, 0.9} with a replay drafter
+     (the real draft model runs for its cost, but proposes the target's reference continuation
+     corrupted at random to acceptance a), checking the output equals target-only output, against
+     the prediction (1 - a^(k+1)) / ((1 - a)(k c + c_v(k))).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from decoding.drafters import Proposal
+from decoding.engine import Engine, LoadedModel
+from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.runner import EagerRunner
+from decoding.static import StaticModel
+
+# Qwen2.5-7B and Qwen2.5-0.5B shapes (their config.json). The draft takes the target's vocabulary
+# size (152064 vs 151936): a pair must share one, and the 128 extra rows change nothing measurable.
+TARGET = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+              num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, max_position_embeddings=32768)
+DRAFT = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+             num_key_value_heads=2, vocab_size=152064, rope_theta=1e6, max_position_embeddings=32768,
+             tie_word_embeddings=True)
+PROMPT, NEW = 128, 256
+MAX_LEN = 1024
+
+
+def build(shape: dict[str, Any], seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**shape, torch_dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def cuda_time(fn, iters: int, warmup: int = 3) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds per call, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    n = 2 << 30  # 2 GiB of bf16 read, 2 GiB written: far past the 60 MB L2
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), 20)
+    return 2 * n / t
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@dataclass
+class Replay:
+    """Benchmark-only drafter: pays for the real draft model's k steps, proposes the reference."""
+
+    inner: Any  # DraftModelDrafter
+    reference: list[int]  # the target-only output (prompt + completion)
+    acceptance: float
+    gen: torch.Generator
+    name: str = "replay"
+
+    def propose(self, tokens, k, params, counts, generator):  # type: ignore[no-untyped-def]
+        self.inner.propose(tokens, k, params, counts, generator)  # the cost, not the tokens
+        n = len(tokens)
+        ref = self.reference[n : n + k]
+        out = []
+        for t in ref:
+            keep = torch.rand(1, generator=self.gen).item() < self.acceptance
+            out.append(t if keep else (t + 1 + int(torch.randint(1000, (1,), generator=self.gen))) % 150000)
+        return Proposal(torch.tensor(out, dtype=torch.long, device="cuda"), None)
+
+    def rollback(self, valid: int) -> None:
+        self.inner.rollback(valid)
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+def decode_tps(engine: Engine, ids: list[int], new: int) -> tuple[float, list[int]]:
+    req = GenerationRequest("b", "target", ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), SpecParams(SpecMode.OFF))
+    out, stats, _ = engine.generate(req)
+    return len(out) / stats.decode_s, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile on the static forward")
+    args = ap.parse_args()
+    R: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m bench.gpu" + (" --quick" if args.quick else ""),
+    }
+    bw = copy_bandwidth()
+    R["copy_bandwidth_Bps"] = bw
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    target, draft = build(TARGET, 0), build(DRAFT, 1)
+    tb = weight_bytes(target)
+    R["target_weight_bytes"], R["draft_weight_bytes"] = tb, weight_bytes(draft)
+    R["roofline_tps"] = bw / tb
+    ids = torch.randint(0, 150000, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    new = 64 if args.quick else NEW
+
+    def engine_with(t_factory, d_factory=None) -> Engine:  # type: ignore[no-untyped-def]
+        tok = None
+        models = {"target": LoadedModel("target", target, tok, draft="draft", max_context=MAX_LEN, runner_factory=t_factory)}
+        if d_factory is not None:
+            models["draft"] = LoadedModel("draft", draft, tok, max_context=MAX_LEN, runner_factory=d_factory)
+        return Engine(models)
+
+    # 2. target-only decode, three ways
+    tps_hf, _ = decode_tps(engine_with(EagerRunner), ids, 32 if not args.quick else 16)
+    t_static = StaticModel(target, MAX_LEN, slots=1, graphs=False)
+    tps_static, _ = decode_tps(engine_with(t_static.runner), ids, 32)
+    t_graph = StaticModel(target, MAX_LEN, slots=1, graphs=True)
+    d_graph = StaticModel(draft, MAX_LEN, slots=1, graphs=True)
+    t_graph.capture(range(1, 10))
+    d_graph.capture(range(1, 10))  # the draft's catch-up after a full acceptance feeds 2 tokens
+    decode_tps(engine_with(t_graph.runner), ids, 16)  # warm
+    tps_graph, reference = decode_tps(engine_with(t_graph.runner), ids, new)
+    R["decode_tps"] = {"transformers_eager": tps_hf, "static_eager": tps_static, "cuda_graphs": tps_graph}
+    R["roofline_fraction"] = tps_graph / R["roofline_tps"]
+    print(f"decode tok/s: hf eager {tps_hf:.1f}, static eager {tps_static:.1f}, graphs {tps_graph:.1f} "
+          f"({R['roofline_fraction']:.0%} of {R['roofline_tps']:.0f})", flush=True)
+
+    # 3. step costs (graphs): draft 1-token step, target (k+1)-token verification
+    tr, dr = t_graph.runner(), d_graph.runner()
+    tr.forward(ids, logits=False)
+    dr.forward(ids, logits=False)
+    L = tr.length
+    tok1 = torch.tensor([5], device="cuda")
+
+    def t_step(T: int):  # type: ignore[no-untyped-def]
+        toks = torch.arange(T, device="cuda") + 7
+
+        def f():  # type: ignore[no-untyped-def]
+            tr.forward(toks)
+            tr.crop(L)
+        return f
+
+    def d_step():  # type: ignore[no-untyped-def]
+        dr.forward(tok1)
+        dr.crop(L)
+
+    t1 = cuda_time(t_step(1), 50)
+    td = cuda_time(d_step, 50)
+    R["target_step_s"], R["draft_step_s"] = t1, td
+    R["c"] = td / t1
+    R["c_v"] = {k: cuda_time(t_step(k + 1), 30) / t1 for k in range(1, 9)}
+    # eager (no graph) step costs for the same shapes: the gain of the fast path
+    te, de = t_static.runner(), StaticModel(draft, MAX_LEN, slots=1, graphs=False).runner()
+    te.forward(ids, logits=False)
+    de.forward(ids, logits=False)
+    R["eager_target_step_s"] = cuda_time(lambda: (te.forward(tok1), te.crop(L)), 20)
+    R["eager_draft_step_s"] = cuda_time(lambda: (de.forward(tok1), de.crop(L)), 20)
+    hf_t, hf_d = EagerRunner(target), EagerRunner(draft)
+    hf_t.forward(ids, logits=False)
+    hf_d.forward(ids, logits=False)
+    R["hf_target_step_s"] = cuda_time(lambda: (hf_t.forward(tok1), hf_t.crop(L)), 20)
+    R["hf_draft_step_s"] = cuda_time(lambda: (hf_d.forward(tok1), hf_d.crop(L)), 20)
+    for r in (tr, dr, te, de):
+        r.release()
+    print(f"step: target {t1 * 1e3:.2f} ms, draft {td * 1e3:.2f} ms, c = {R['c']:.3f}; "
+          f"c_v = {', '.join(f'{v:.2f}' for v in R['c_v'].values())}", flush=True)
+    print(f"eager steps: static target {R['eager_target_step_s'] * 1e3:.2f} ms draft {R['eager_draft_step_s'] * 1e3:.2f} ms; "
+          f"hf target {R['hf_target_step_s'] * 1e3:.2f} ms draft {R['hf_draft_step_s'] * 1e3:.2f} ms", flush=True)
+
+    if args.compile:
+        tc = StaticModel(target, MAX_LEN, slots=1, graphs=False, compile_step=True).runner()
+        tc.forward(ids, logits=False)
+        t0 = time.perf_counter()
+        tc.forward(tok1)
+        tc.crop(L)
+        R["compile_first_call_s"] = time.perf_counter() - t0
+        R["compile_target_step_s"] = cuda_time(lambda: (tc.forward(tok1), tc.crop(L)), 20)
+        tc.release()
+
+    # 4. speculation at controlled acceptance, every k; output must equal target-only output
+    from decoding.drafters import DraftModelDrafter
+
+    full_ref = ids + reference
+    spec_engine = engine_with(t_graph.runner, d_graph.runner)
+    rows = []
+    ks = [2, 4, 6] if args.quick else list(range(1, 9))
+    for a in (0.6, 0.7, 0.8, 0.9):
+        for k in ks:
+            gen = torch.Generator().manual_seed(int(a * 100) * 10 + k)
+            seq = spec_engine.start(GenerationRequest(
+                "s", "target", ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True),
+                SpecParams(SpecMode.DRAFT, max_k=k, adaptive=False)))
+            assert isinstance(seq.drafter, DraftModelDrafter)
+            seq.drafter = Replay(seq.drafter, full_ref, a, gen)  # type: ignore[assignment]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out: list[int] = []
+            while True:
+                step = spec_engine.step(seq)
+                out.extend(step.token_ids)
+                if step.finish_reason is not None:
+                    break
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t
+            seq.release()
+            tps = len(out) / elapsed
+            st = seq.stats
+            a_meas = st.acceptance_rate
+            pred = (1 - a ** (k + 1)) / ((1 - a) * (k * R["c"] + R["c_v"][k]))
+            first_diff = next((i for i, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y), None)
+            rows.append(dict(a=a, k=k, tps=tps, speedup=tps / tps_graph, predicted=pred, measured_acceptance=a_meas,
+                             tokens_per_step=st.mean_accepted_per_step, identical=out == reference, first_diff=first_diff))
+            print(f"a={a} k={k}: {tps:.1f} tok/s, {tps / tps_graph:.2f}x (pred {pred:.2f}x), "
+                  f"accept {a_meas:.2f}, identical={out == reference}", flush=True)
+    R["speculative"] = rows
+    R["bf16_divergence"] = _divergence_margins(t_graph, ids, reference, rows)
+    with open(args.out, "w") as f:
+        json.dump(R, f, indent=1)
+    best = max((r for r in rows if r["a"] == 0.8), key=lambda r: r["speedup"])
+    print(f"\nbest at a=0.8: k={best['k']} {best['speedup']:.2f}x (pred {best['predicted']:.2f}x)")
+
+
+def _divergence_margins(t_graph: StaticModel, ids: list[int], reference: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """For runs that left the reference, the target's top-2 logit margin at the first differing
+    position (1-token recomputation): a margin near bf16 rounding means a tie, not a bug."""
+    diffs = [r["first_diff"] for r in rows if r["first_diff"] is not None]
+    margins = []
+    for pos in sorted(set(diffs))[:8]:
+        r = t_graph.runner()
+        logits = r.forward(ids + reference[:pos])[-1].float()
+        top = torch.topk(logits, 2).values
+        margins.append(dict(position=pos, margin=float(top[0] - top[1])))
+        r.release()
+    return {"runs": len(rows), "diverged": len(diffs), "margins": margins}
+
+
+if __name__ == "__main__":
+    main()
