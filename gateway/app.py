@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
@@ -29,9 +29,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.async_engine import AsyncEngine
 from gateway import protocol, serving
+from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, error_response, to_api_error, unavailable
 from gateway.limits import RateLimiter
 from gateway.local import LocalBackend
+from gateway.observability import Observability
 from gateway.remote import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
@@ -249,26 +251,40 @@ def create_app(
     settings: Settings,
     engine: AsyncEngine | None = None,
     load_engine: Callable[[], AsyncEngine] | None = None,
+    observability: Observability | None = None,
 ) -> Starlette:
-    """The app serving ``engine``, or the one ``load_engine`` builds (on a thread, after start)."""
+    """The app serving ``engine``, or the one ``load_engine`` builds (on a thread, after start).
+    ``observability``: tests pass one built with an in-memory tracer provider."""
+    owned = observability is None
+    obs = observability or Observability(settings.observability, models=[m.name for m in settings.models])
     state = GatewayState(
         settings=settings,
         limiter=RateLimiter(settings.limits.rpm, settings.limits.tpm),
-        registry=CollectorRegistry(),
+        registry=obs.metrics.registry,
+        metrics=obs.metrics,
     )
     state.router = routing = RoutingService(settings)  # router/: tiers, strategy, upstreams; raises on bad config
+    state.cache = GatewayCache.from_settings(settings.cache)  # in-process, or Redis when configured
     if engine is not None:
-        state.backend = LocalBackend(engine, settings.limits.default_max_tokens)
+        state.backend = LocalBackend(obs.observe_engine(engine), settings.limits.default_max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         task = None
         if state.backend is None and load_engine is not None:
             task = asyncio.ensure_future(_load(app, state, load_engine))
+        if state.cache is not None:
+            await state.cache.start()  # the embedder loads in the background; exact-only meanwhile
+        if owned and settings.observability.metrics_port:
+            obs.start_metrics_server(settings.server.host)
         yield
         if task is not None:
             task.cancel()
         await routing.aclose()
+        if state.cache is not None:
+            await state.cache.close()
+        if owned:
+            obs.shutdown()  # flushes batched spans
 
     routes = [
         Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
@@ -286,7 +302,10 @@ def create_app(
         exception_handlers={HTTPException: _http_error, APIError: _api_error},
     )
     app.add_middleware(GatewayMiddleware, state=state)
+    obs.install(app)  # outermost: sees every response, auth failures and x-request-id included
     app.state.gateway = state
+    app.state.metrics = obs.metrics
+    app.state.observability = obs
     app.state.started = int(time.time())
     app.state.openapi = openapi_document()
     app.state.on_load_failure = None  # server.py sets this to stop the process
@@ -301,6 +320,7 @@ async def _load(app: Starlette, state: GatewayState, load_engine: Callable[[], A
         if app.state.on_load_failure is not None:
             app.state.on_load_failure()
         return
-    state.backend = LocalBackend(engine, state.settings.limits.default_max_tokens)
+    observed = app.state.observability.observe_engine(engine)
+    state.backend = LocalBackend(observed, state.settings.limits.default_max_tokens)
     state.extra["engine"] = engine
     log.info("models loaded: %s", ", ".join(engine.model_names))

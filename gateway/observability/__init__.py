@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.observability.logs import RequestLogger
 from gateway.observability.metrics import Metrics
-from gateway.observability.record import RequestRecord, current_request
+from gateway.observability.record import RequestRecord, current_request, note_usage, observe_job
 from gateway.observability.settings import ObservabilitySettings
 from gateway.observability.tracing import Tracing, provider_from_env
 
@@ -34,7 +34,16 @@ if TYPE_CHECKING:
     from decoding.async_engine import AsyncEngine
     from gateway.observability.engine import ObservedEngine
 
-__all__ = ["Metrics", "Observability", "ObservabilitySettings", "RequestRecord", "Tracing", "current_request"]
+__all__ = [
+    "Metrics",
+    "Observability",
+    "ObservabilitySettings",
+    "RequestRecord",
+    "Tracing",
+    "current_request",
+    "note_usage",
+    "observe_job",
+]
 
 # Scrapes and probes get no spans (they would drown the traces); they are still counted.
 UNTRACED = "/metrics,/health,/ready,/dashboard"
@@ -77,8 +86,10 @@ class Observability:
             exclude_spans=["receive", "send"],
             default_span_details=_span_details,
         )
+        taken = {getattr(r, "path", None) for r in app.router.routes}
         for route in routes(self):
-            app.router.routes.append(route)
+            if route.path not in taken:  # an app may serve /metrics itself, from our registry
+                app.router.routes.append(route)
 
     def observe_engine(self, engine: AsyncEngine) -> ObservedEngine:
         from gateway.observability.engine import ObservedEngine

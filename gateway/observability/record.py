@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from decoding.params import RequestStats
 
@@ -102,3 +103,30 @@ class RequestRecord:
             "accepted": sum(s.accepted for s in g),
             "spec_disabled_steps": sum(s.spec_disabled_steps for s in g),
         }
+
+
+# ---- one-line seams for the handlers (no-ops outside a request) -------------------------------
+
+_OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+
+
+def observe_job(job: Any) -> None:
+    """What the client asked for (a ``gateway.backends.Job``), for the span and the log line."""
+    rec = _current.get()
+    if rec is None:
+        return
+    rec.request_model = job.model
+    rec.operation = _OPERATIONS.get(job.kind, rec.operation)
+    rec.temperature, rec.top_p, rec.max_tokens, rec.seed = (
+        job.temperature,
+        job.top_p,
+        job.max_tokens,
+        job.seed,
+    )
+
+
+def note_usage(prompt_tokens: int, completion_tokens: int) -> None:
+    """The usage the response reports (local, cached or upstream alike)."""
+    rec = _current.get()
+    if rec is not None:
+        rec.set_usage(prompt_tokens, completion_tokens)

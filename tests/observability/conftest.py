@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -14,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from decoding.params import FinishReason, GenerationRequest, RequestStats, StepOutput
 
 CANARY = "zebra-canary-7f3a"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -72,3 +82,59 @@ class ScriptedEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+
+# ---- a real `specgate serve` on tiny random models (integration and dashboard tests) -------------
+
+TINY_MODELS = [
+    {"name": "tiny", "source": "tiny-random", "draft": "tiny-draft", "dtype": "float32", "device": "cpu"},
+    {"name": "tiny-draft", "source": "tiny-random-draft", "dtype": "float32", "device": "cpu"},
+]
+
+
+@dataclass
+class Served:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def serve(tmp: Path, settings: dict[str, object], env: dict[str, str] | None = None) -> Served:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    config = tmp / "specgate.yaml"
+    config.write_text(yaml.safe_dump({"models": TINY_MODELS, **settings}))
+    log = tmp / "server.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)],
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        )
+    served = Served(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{served.output()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(served.url + "/ready", timeout=1).status_code == 200:
+                return served
+        time.sleep(0.2)
+    stop(served)
+    raise RuntimeError(f"server not ready in time:\n{served.output()}")
+
+
+def stop(served: Served) -> None:
+    if served.proc.poll() is None:
+        served.proc.terminate()
+        try:
+            served.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+            served.proc.wait(10)
