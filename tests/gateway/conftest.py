@@ -20,8 +20,21 @@ API_KEY = "sk-test-key"
 ROOT = Path(__file__).resolve().parents[2]
 
 TINY_MODELS = [
-    {"name": "tiny", "source": "tiny-random", "draft": "tiny-draft", "dtype": "float32", "device": "cpu", "max_context": 512},
-    {"name": "tiny-draft", "source": "tiny-random-draft", "dtype": "float32", "device": "cpu", "max_context": 512},
+    {
+        "name": "tiny",
+        "source": "tiny-random",
+        "draft": "tiny-draft",
+        "dtype": "float32",
+        "device": "cpu",
+        "max_context": 512,
+    },
+    {
+        "name": "tiny-draft",
+        "source": "tiny-random-draft",
+        "dtype": "float32",
+        "device": "cpu",
+        "max_context": 512,
+    },
 ]
 
 
@@ -93,7 +106,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """API keys from the environment (SPECGATE_API_KEYS), small limits so refusals are cheap to hit."""
     s = start_server(
         tmp_path_factory.mktemp("server"),
-        {"limits": {"max_body_bytes": 65536, "max_n": 4, "max_max_tokens": 256}, "server": {"sse_ping_s": 0.2}},
+        {
+            "limits": {"max_body_bytes": 65536, "max_n": 4, "max_max_tokens": 256},
+            "server": {"sse_ping_s": 0.2},
+        },
         env={"SPECGATE_API_KEYS": f"{API_KEY},sk-other"},
     )
     yield s

@@ -74,7 +74,12 @@ async def test_engine_fault_mid_stream_is_one_error_event_then_done() -> None:
         data = sse_data(r.text)
         assert data[-1] == "[DONE]"
         err = json.loads(data[-2])
-        assert err["error"]["type"] == "server_error" and set(err["error"]) == {"message", "type", "param", "code"}
+        assert err["error"]["type"] == "server_error" and set(err["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
         assert sum('"error"' in d for d in data) == 1
         r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
@@ -84,7 +89,10 @@ async def test_n_and_seed_reach_the_engine() -> None:
     engine = ScriptedEngine([token_ids("ok")])
     app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
     async with client(app) as c:
-        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS, "n": 3, "seed": 10, "temperature": 0.5})
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"model": "fake", "messages": MSGS, "n": 3, "seed": 10, "temperature": 0.5},
+        )
         assert [ch["message"]["content"] for ch in r.json()["choices"]] == ["ok"] * 3
         assert r.json()["usage"]["completion_tokens"] == 6
     assert [q.params.seed for q in engine.requests] == [10, 11, 12]
@@ -145,7 +153,9 @@ async def test_overload_is_an_immediate_503(tiny_models: Any) -> None:
     try:
         app = create_app(settings(), engine=engine)
         async with client(app) as c:
-            r = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2})
+            r = await c.post(
+                "/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2}
+            )
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "overloaded"
     finally:
@@ -176,10 +186,21 @@ class Conversation:
 
     def scope(self) -> dict[str, Any]:
         return {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-            "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-            "root_path": "", "query_string": b"", "client": ("test", 1), "server": ("test", 80),
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(self.body)).encode())],
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "root_path": "",
+            "query_string": b"",
+            "client": ("test", 1),
+            "server": ("test", 80),
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(self.body)).encode()),
+            ],
         }
 
 
@@ -197,7 +218,9 @@ async def _steps_stop_moving(engine: AsyncEngine) -> None:
 @pytest.mark.parametrize("stream", [True, False])
 async def test_disconnect_stops_generation(tiny_engine: AsyncEngine, stream: bool) -> None:
     app = create_app(settings(), engine=tiny_engine)
-    conv = Conversation({"model": "tiny", "messages": MSGS, "max_tokens": 400, "temperature": 0, "stream": stream})
+    conv = Conversation(
+        {"model": "tiny", "messages": MSGS, "max_tokens": 400, "temperature": 0, "stream": stream}
+    )
     task = asyncio.create_task(app(conv.scope(), conv.receive, conv.send))
     while tiny_engine.total_steps < 3:
         await asyncio.sleep(0.01)

@@ -18,11 +18,20 @@ def ok_chat(**over: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": MSGS, "max_tokens": 2, **over}
 
 
-def post(server: Server, path: str, content: bytes | Iterator[bytes], headers: dict[str, str]) -> httpx.Response:
-    return httpx.post(server.base_url + path, content=content, headers={**headers, "content-type": "application/json"}, timeout=30)
+def post(
+    server: Server, path: str, content: bytes | Iterator[bytes], headers: dict[str, str]
+) -> httpx.Response:
+    return httpx.post(
+        server.base_url + path,
+        content=content,
+        headers={**headers, "content-type": "application/json"},
+        timeout=30,
+    )
 
 
-def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def assert_error(
+    r: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     assert r.status_code == status, r.text
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
@@ -41,46 +50,132 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
     ("missing messages", b'{"model": "tiny"}', 400, "messages"),
     ("messages not a list", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
     ("empty messages", b'{"model": "tiny", "messages": []}', 400, "messages"),
-    ("unknown role", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
-    ("image part", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', 400, None),
-    ("max_tokens as string", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}', 400, "max_tokens"),
-    ("negative max_tokens", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
-    ("huge max_tokens", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400, "max_tokens"),
+    (
+        "unknown role",
+        b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
+        400,
+        "messages[0].role",
+    ),
+    (
+        "image part",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+        400,
+        None,
+    ),
+    (
+        "max_tokens as string",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "negative max_tokens",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+        400,
+        "max_tokens",
+    ),
+    (
+        "huge max_tokens",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}',
+        400,
+        "max_tokens",
+    ),
     ("huge n", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 1000}', 400, "n"),
-    ("NaN temperature", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None),
-    ("temperature too high", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 7}', 400, "temperature"),
-    ("top_p zero", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}', 400, "top_p"),
-    ("too many stops", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}', 400, "stop"),
-    ("tools", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "tools"),
-    ("response_format", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}', 400, "response_format"),
-    ("logit_bias", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}', 400, "logit_bias"),
-    ("bad speculative mode", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculative": {"mode": "magic"}}', 400, "speculative.mode"),
-    ("top_logprobs without logprobs", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400, "top_logprobs"),
+    (
+        "NaN temperature",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        400,
+        None,
+    ),
+    (
+        "temperature too high",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 7}',
+        400,
+        "temperature",
+    ),
+    (
+        "top_p zero",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}',
+        400,
+        "top_p",
+    ),
+    (
+        "too many stops",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
+        400,
+        "stop",
+    ),
+    (
+        "tools",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+        400,
+        "tools",
+    ),
+    (
+        "response_format",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+        400,
+        "response_format",
+    ),
+    (
+        "logit_bias",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}',
+        400,
+        "logit_bias",
+    ),
+    (
+        "bad speculative mode",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculative": {"mode": "magic"}}',
+        400,
+        "speculative.mode",
+    ),
+    (
+        "top_logprobs without logprobs",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+        400,
+        "top_logprobs",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("name", "body", "status", "param"), CASES, ids=[c[0] for c in CASES])
-def test_bad_chat_requests(server: Server, headers: dict[str, str], name: str, body: bytes, status: int, param: str | None) -> None:
+def test_bad_chat_requests(
+    server: Server, headers: dict[str, str], name: str, body: bytes, status: int, param: str | None
+) -> None:
     err = assert_error(post(server, "/chat/completions", body, headers), status, param)
     assert err["type"] == "invalid_request_error"
 
 
 def test_unknown_fields_are_ignored(server: Server, headers: dict[str, str]) -> None:
-    r = httpx.post(server.base_url + "/chat/completions", json=ok_chat(something_new=1, stream_options={"x": 1}), headers=headers, timeout=30)
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        json=ok_chat(something_new=1, stream_options={"x": 1}),
+        headers=headers,
+        timeout=30,
+    )
     assert r.status_code == 200
 
 
 def test_unknown_model(server: Server, headers: dict[str, str]) -> None:
-    r = httpx.post(server.base_url + "/chat/completions", json=ok_chat(model="gpt-9"), headers=headers, timeout=30)
+    r = httpx.post(
+        server.base_url + "/chat/completions", json=ok_chat(model="gpt-9"), headers=headers, timeout=30
+    )
     err = assert_error(r, 404, "model", "model_not_found")
     assert "gpt-9" in err["message"]
 
 
 def test_overlong_prompt(server: Server, headers: dict[str, str]) -> None:
     long = [{"role": "user", "content": "x" * 600}]  # one byte-level token per character; context 512
-    r = httpx.post(server.base_url + "/chat/completions", json=ok_chat(messages=long), headers=headers, timeout=30)
+    r = httpx.post(
+        server.base_url + "/chat/completions", json=ok_chat(messages=long), headers=headers, timeout=30
+    )
     assert_error(r, 400, "messages", "context_length_exceeded")
-    r = httpx.post(server.base_url + "/completions", json={"model": "tiny", "prompt": "y" * 600}, headers=headers, timeout=30)
+    r = httpx.post(
+        server.base_url + "/completions",
+        json={"model": "tiny", "prompt": "y" * 600},
+        headers=headers,
+        timeout=30,
+    )
     assert_error(r, 400, "prompt", "context_length_exceeded")
 
 
@@ -102,8 +197,14 @@ def test_oversized_body(server: Server, headers: dict[str, str]) -> None:
 def test_completion_errors(server: Server, headers: dict[str, str]) -> None:
     assert_error(post(server, "/completions", b'{"model": "tiny", "prompt": []}', headers), 400, "prompt")
     assert_error(post(server, "/completions", b'{"model": "tiny", "prompt": 5}', headers), 400, "prompt")
-    assert_error(post(server, "/completions", b'{"model": "tiny", "prompt": "", "max_tokens": 2}', headers), 400)
-    assert_error(post(server, "/completions", b'{"model": "tiny", "prompt": "a", "suffix": "b"}', headers), 400, "suffix")
+    assert_error(
+        post(server, "/completions", b'{"model": "tiny", "prompt": "", "max_tokens": 2}', headers), 400
+    )
+    assert_error(
+        post(server, "/completions", b'{"model": "tiny", "prompt": "a", "suffix": "b"}', headers),
+        400,
+        "suffix",
+    )
 
 
 def test_unknown_route_and_method(server: Server, headers: dict[str, str]) -> None:
@@ -119,7 +220,9 @@ def test_auth_required(server: Server, path: str) -> None:
         r = httpx.request(method, server.base_url + path, json=body, headers=auth, timeout=30)
         err = assert_error(r, 401)
         assert err["type"] == "authentication_error"
-    r = httpx.request(method, server.base_url + path, json=body, headers={"Authorization": "Bearer sk-other"}, timeout=30)
+    r = httpx.request(
+        method, server.base_url + path, json=body, headers={"Authorization": "Bearer sk-other"}, timeout=30
+    )
     assert r.status_code == 200
 
 

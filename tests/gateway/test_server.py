@@ -81,7 +81,9 @@ def test_seeded_sampling_repeats_and_n_differs(client: openai.OpenAI) -> None:
     assert a.choices[0].message.content != a.choices[1].message.content
     stream = list(client.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
     for i in range(2):
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices and c.choices[0].index == i)
+        text = "".join(
+            c.choices[0].delta.content or "" for c in stream if c.choices and c.choices[0].index == i
+        )
         assert text == a.choices[i].message.content
         finishes = [c for c in stream if c.choices and c.choices[0].index == i and c.choices[0].finish_reason]
         assert len(finishes) == 1
@@ -96,22 +98,34 @@ def test_stop_string_cuts_and_never_leaks(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     assert r.choices[0].message.content == text[: text.index(stop)]
     assert r.choices[0].finish_reason == "stop"
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices]  # type: ignore[call-overload]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kw)
+        if c.choices
+    ]  # type: ignore[call-overload]
     assert "".join(pieces) == text[: text.index(stop)]
 
 
 def test_completions_echo_logprobs_and_list_prompt(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="tiny", prompt=["abc", "xyz"], max_tokens=5, temperature=0, echo=True, logprobs=2)
+    r = client.completions.create(
+        model="tiny", prompt=["abc", "xyz"], max_tokens=5, temperature=0, echo=True, logprobs=2
+    )
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].text.startswith("abc") and r.choices[1].text.startswith("xyz")
     lp = r.choices[0].logprobs
     assert lp is not None and len(lp.tokens or []) == 5 and all(len(t) <= 2 for t in lp.top_logprobs or [])
-    streamed = list(client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, echo=True, stream=True))
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt="abc", max_tokens=5, temperature=0, echo=True, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
@@ -121,16 +135,26 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 
 async def test_async_client(aclient: openai.AsyncOpenAI) -> None:
     r = await aclient.chat.completions.create(model="tiny-draft", messages=CHAT, max_tokens=8, temperature=0)
-    stream = await aclient.chat.completions.create(model="tiny-draft", messages=CHAT, max_tokens=8, temperature=0, stream=True)
+    stream = await aclient.chat.completions.create(
+        model="tiny-draft", messages=CHAT, max_tokens=8, temperature=0, stream=True
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == r.choices[0].message.content
     await aclient.close()
 
 
 def test_raw_sse_bytes(server: Server, headers: dict[str, str]) -> None:
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=30) as r:
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=30
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-accel-buffering"] == "no" and r.headers["cache-control"] == "no-cache"
@@ -142,26 +166,48 @@ def test_raw_sse_bytes(server: Server, headers: dict[str, str]) -> None:
     assert all(e.startswith("data: ") and "\n" not in e for e in datas)
     chunks = [json.loads(e[6:]) for e in datas[:-1]]
     first = chunks[0]
-    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+    assert first["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    ]
     assert set(first) == {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
-    assert first["object"] == "chat.completion.chunk" and first["id"].startswith("chatcmpl-") and first["usage"] is None
+    assert (
+        first["object"] == "chat.completion.chunk"
+        and first["id"].startswith("chatcmpl-")
+        and first["usage"] is None
+    )
     finish = chunks[-2]["choices"][0]
     assert finish["delta"] == {} and finish["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
 
 def test_raw_non_streamed_shape(server: Server, headers: dict[str, str]) -> None:
-    r = httpx.post(server.base_url + "/chat/completions", headers={**headers, "x-request-id": "abc-123"},
-                   json={"model": "tiny", "messages": CHAT, "max_tokens": 3}, timeout=30)
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        headers={**headers, "x-request-id": "abc-123"},
+        json={"model": "tiny", "messages": CHAT, "max_tokens": 3},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
     body = r.json()
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": body["choices"][0]["message"]["content"], "refusal": None}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": body["choices"][0]["message"]["content"],
+        "refusal": None,
+    }
     assert body["choices"][0]["logprobs"] is None
 
 
 def test_keepalive_ping_during_slow_stream(server: Server, headers: dict[str, str]) -> None:
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 30, "stream": True, "stream_granularity": "token"}
-    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=30) as r:
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": 30,
+        "stream": True,
+        "stream_granularity": "token",
+    }
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=30
+    ) as r:
         raw = r.read().decode()
     assert ": ping" in raw  # the server pings every 0.2 s in this configuration
 

@@ -1,0 +1,74 @@
+"""Incremental detokenizer and stop matcher on the tiny byte-level tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from decoding.tiny import byte_tokenizer
+from gateway.detokenize import IncrementalDetokenizer, StopMatcher
+
+TOK = byte_tokenizer()
+
+
+def ids(text: str) -> list[int]:
+    return list(TOK(text)["input_ids"])
+
+
+def stream(token_ids: list[int], prompt: list[int] | None = None) -> list[str]:
+    d = IncrementalDetokenizer(TOK, prompt)
+    return [d.add(t) for t in token_ids] + [d.flush()]
+
+
+def test_multibyte_characters_are_held_until_complete() -> None:
+    text = "aé€😀z"
+    pieces = stream(ids(text), ids("prompt "))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[:3] == ["a", "", "é"]  # the two bytes of é: nothing, then the character
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_bytes_never_crash_and_match_a_whole_decode(seed: int) -> None:
+    rng = random.Random(seed)
+    byte_ids = [rng.randrange(256) for _ in range(300)]  # mostly invalid UTF-8
+    pieces = stream(byte_ids)
+    assert "".join(pieces) == TOK.decode(byte_ids)
+
+
+def test_special_tokens_are_skipped() -> None:
+    im_end = TOK.convert_tokens_to_ids("<|im_end|>")
+    assert "".join(stream([*ids("ab"), im_end, *ids("c")])) == "abc"
+
+
+def feed_all(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
+    m = StopMatcher(stops)
+    out = [m.feed(p) for p in pieces]
+    if not m.stopped:
+        out.append(m.flush())
+    return out, m.stopped
+
+
+def test_stop_across_pieces_never_leaks_a_prefix() -> None:
+    out, stopped = feed_all(["STOP"], ["abc S", "T", "O", "P tail"])
+    assert stopped and "".join(out) == "abc " and out == ["abc ", "", "", ""]
+
+
+def test_false_start_is_released() -> None:
+    out, stopped = feed_all(["STOP"], ["a ST", "x", "y"])
+    assert not stopped and "".join(out) == "a STxy" and out[0] == "a "
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    out, stopped = feed_all(["world", "lo w"], ["hello world"])
+    assert stopped and "".join(out) == "hel"
+
+
+def test_held_tail_released_at_end() -> None:
+    out, stopped = feed_all(["</end>"], ["x</e"])
+    assert not stopped and out == ["x", "</e"]
+
+
+def test_no_stops_passes_through() -> None:
+    assert feed_all([], ["a", "b"]) == (["a", "b", ""], False)

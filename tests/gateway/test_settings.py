@@ -1,0 +1,60 @@
+"""Settings: defaults, YAML < env < flags, and errors that name the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.settings import SettingsError, load_settings
+
+
+def test_defaults_serve_the_default_pair_without_redis() -> None:
+    s = load_settings(env={})
+    assert [(m.name, m.draft) for m in s.models] == [
+        ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"),
+        ("qwen2.5-coder-0.5b", None),
+    ]
+    assert s.cache.redis_url is None and s.auth.api_keys == [] and s.stream_granularity == "step"
+
+
+def test_precedence_flags_over_env_over_yaml(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("server: {port: 9000, host: 0.0.0.0}\nlimits: {max_n: 3, rpm: 10}\n")
+    env = {
+        "SPECGATE_SERVER__PORT": "9100",
+        "SPECGATE_LIMITS__MAX_N": "5",
+        "SPECGATE_HOME": "/x",
+        "OTHER": "1",
+    }
+    s = load_settings(cfg, overrides={"server": {"port": 9200}}, env=env)
+    assert s.server.port == 9200 and s.server.host == "0.0.0.0"
+    assert s.limits.max_n == 5 and s.limits.rpm == 10
+
+
+def test_api_keys_from_env_and_json_lists() -> None:
+    env = {"SPECGATE_API_KEYS": "a, b", "SPECGATE_MODELS": '[{"name": "t", "source": "tiny-random"}]'}
+    s = load_settings(env=env)
+    assert s.auth.api_keys == ["a", "b"] and [m.name for m in s.models] == ["t"]
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SPECGATE_LIMITS__MAX_N": "lots"}, "limits.max_n"),
+        ({"SPECGATE_SERVER__PORT": "70000"}, "server.port"),
+        ({"SPECGATE_STREAM_GRANULARITY": "word"}, "stream_granularity"),
+        ({"SPECGATE_LIMITS__MAX_NN": "3"}, "limits.max_nn"),
+        ({"SPECGATE_MODELS": '[{"name": "a", "source": "s", "draft": "b"}]'}, "draft 'b'"),
+    ],
+)
+def test_errors_name_the_setting(env: dict[str, str], named: str) -> None:
+    with pytest.raises(SettingsError, match=named.replace(".", r"\.")):
+        load_settings(env=env)
+
+
+def test_bad_yaml(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("- just\n- a list\n")
+    with pytest.raises(SettingsError, match="mapping"):
+        load_settings(cfg, env={})
