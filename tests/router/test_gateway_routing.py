@@ -58,6 +58,7 @@ def test_auto_routes_hard_prompts_to_the_remote_tier_verbatim(servers: tuple[Ser
 def test_easy_prompts_stay_local_and_explicit_models_skip_routing(servers: tuple[Server, Server]) -> None:
     _, gateway = servers
     headers, text, _ = stream(gateway, "auto", "hi")
+    assert text
     assert headers["x-specgate-route"] == "tier=small; model=tiny-draft; strategy=off; score=0.00"
     headers, _, _ = stream(gateway, "tiny", HARD)
     assert headers["x-specgate-route"].startswith("tier=explicit; model=tiny; strategy=auto")
