@@ -20,6 +20,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
     upstream = start_server(tmp_path_factory.mktemp("upstream"), {})
     try:
         gateway = start_server(tmp_path_factory.mktemp("gateway"), {
+            "cache": {"enabled": False},  # repeated prompts must reach a backend, not a cached replay
             "upstreams": [{"name": "a", "base_url": upstream.base_url, "model": "tiny", "retries": 0,
                            "breaker_failures": 1, "breaker_reset_s": 60}],
             "router": {"tiers": [{"name": "small", "model": "tiny-draft", "speculation": False},
