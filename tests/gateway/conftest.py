@@ -109,6 +109,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         {
             "limits": {"max_body_bytes": 65536, "max_n": 4, "max_max_tokens": 256},
             "server": {"sse_ping_s": 0.2},
+            "cache": {"enabled": False},  # a replayed answer would hide what generation did
         },
         env={"SPECGATE_API_KEYS": f"{API_KEY},sk-other"},
     )

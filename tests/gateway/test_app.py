@@ -22,7 +22,8 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def settings(**limits: Any) -> Settings:
-    return load_settings(overrides={"limits": limits} if limits else None, env={})
+    """No response cache: these tests are about generation, and a replayed answer would hide it."""
+    return load_settings(overrides={"limits": limits, "cache": {"enabled": False}}, env={})
 
 
 def client(app: Any) -> httpx.AsyncClient:
@@ -100,7 +101,9 @@ async def test_n_and_seed_reach_the_engine() -> None:
 
 
 async def test_rate_limits_per_key() -> None:
-    s = load_settings(overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}}, env={})
+    s = load_settings(
+        overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}, "cache": {"enabled": False}}, env={}
+    )
     app = create_app(s, engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
     body = {"model": "fake", "messages": MSGS}
     async with client(app) as c:
@@ -116,7 +119,7 @@ async def test_rate_limits_per_key() -> None:
 
 
 async def test_token_rate_limit() -> None:
-    s = load_settings(overrides={"limits": {"tpm": 30}}, env={})
+    s = load_settings(overrides={"limits": {"tpm": 30}, "cache": {"enabled": False}}, env={})
     app = create_app(s, engine=ScriptedEngine([token_ids("a" * 40)]))  # type: ignore[arg-type]
     async with client(app) as c:
         assert (await c.post("/v1/completions", json={"model": "fake", "prompt": "x"})).status_code == 200
