@@ -50,16 +50,18 @@ class StaticModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.layers = model.model.layers
         L = len(self.layers)
-        # [slots, layers, kv_heads, max_len, head_dim]
-        shape = (slots, L, self.n_kv, max_len, self.head_dim)
+        # [slots, layers, kv_heads, max_len + scratch, head_dim]: graph warm-up and capture write
+        # K/V at the scratch tail, never over a live sequence's positions
+        self.scratch = max_graph_tokens
+        shape = (slots, L, self.n_kv, max_len + self.scratch, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        pos = torch.arange(max_len, device=self.device)
+        pos = torch.arange(max_len + self.scratch, device=self.device)
         with torch.inference_mode():
             # the model's own rotary embedding: scaling variants (YaRN, linear, ...) come for free
             cos, sin = model.model.rotary_emb(self.k_cache[0, 0, 0, :1], pos[None])  # [1, max_len, hd]
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, hd]
-        self.positions = pos  # [max_len]
+        self.positions = pos  # [max_len + scratch]
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -142,7 +144,7 @@ class _Graph:
 
     def __init__(self, m: StaticModel, slot: int, T: int):
         self.ids = torch.zeros(T, dtype=torch.long, device=m.device)
-        self.start = torch.zeros(1, dtype=torch.long, device=m.device)
+        self.start = torch.full((1,), m.max_len, dtype=torch.long, device=m.device)  # the scratch tail
         self.offsets = torch.arange(T, device=m.device)
         if _Graph.pool is None:
             _Graph.pool = torch.cuda.graph_pool_handle()
@@ -155,8 +157,6 @@ class _Graph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=_Graph.pool):
             self.out = m._step(slot, self.ids, self.start + self.offsets)
-        # the warm-up wrote garbage K/V at positions 0..T-1 of this slot: harmless, every
-        # position is written before it is read (the mask only admits positions <= pos)
 
     def replay(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         self.ids.copy_(ids, non_blocking=True)
