@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML settings file")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--api-key", action="append", dest="api_keys", help="require this bearer key (repeatable)")
+    serve.add_argument("--stream-granularity", choices=["step", "token"], help="SSE chunk per engine step or per token")
     serve.set_defaults(func=_serve)
 
     models = sub.add_parser("models", help="the local model store").add_subparsers(dest="models_cmd", required=True)
@@ -118,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
-    return serve(config=args.config, host=args.host, port=args.port)
+    flags: dict[str, object] = {"stream_granularity": args.stream_granularity}
+    if args.api_keys:
+        flags["auth"] = {"api_keys": args.api_keys}
+    return serve(config=args.config, host=args.host, port=args.port, **flags)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ within one step (the disconnect path, streaming or not).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from decoding.async_engine import AsyncEngine
@@ -98,7 +98,7 @@ class LocalBackend:
         tok: Any,
         reqs: list[GenerationRequest],
         iters: list[AsyncIterator[StepOutput]],
-        firsts: list[asyncio.Future[StepOutput]],
+        firsts: Sequence[asyncio.Future[StepOutput]],
         stats: list[RequestStats],
         gen: Generation,
     ) -> AsyncIterator[Delta]:
