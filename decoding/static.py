@@ -65,6 +65,9 @@ class StaticModel:
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        # one memory pool for this model's graphs: they never run concurrently. Not shared across
+        # models: freeing one model's graphs must not pull memory from under another's.
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._free = list(range(slots))
         self._lock = threading.Lock()
         step: Callable[..., torch.Tensor] = self._forward
@@ -140,14 +143,10 @@ class StaticModel:
 class _Graph:
     """One CUDA graph for (slot, T): static input buffers in, a static logits buffer out."""
 
-    pool: tuple[int, int] | None = None  # shared memory pool: graphs never run concurrently
-
     def __init__(self, m: StaticModel, slot: int, T: int):
         self.ids = torch.zeros(T, dtype=torch.long, device=m.device)
         self.start = torch.full((1,), m.max_len, dtype=torch.long, device=m.device)  # the scratch tail
         self.offsets = torch.arange(T, device=m.device)
-        if _Graph.pool is None:
-            _Graph.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -155,7 +154,7 @@ class _Graph:
                 m._step(slot, self.ids, self.start + self.offsets)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=_Graph.pool):
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
             self.out = m._step(slot, self.ids, self.start + self.offsets)
 
     def replay(self, ids: torch.Tensor, start: int) -> torch.Tensor:
