@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.async_engine import AsyncEngine
 from gateway import protocol, serving
+from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, error_response, to_api_error, unavailable
 from gateway.limits import RateLimiter
 from gateway.local import LocalBackend
@@ -263,6 +264,7 @@ def create_app(
         metrics=obs.metrics,
     )
     state.router = routing = RoutingService(settings)  # router/: tiers, strategy, upstreams; raises on bad config
+    state.cache = GatewayCache.from_settings(settings.cache)  # in-process, or Redis when configured
     if engine is not None:
         state.backend = LocalBackend(obs.observe_engine(engine), settings.limits.default_max_tokens)
 
@@ -271,6 +273,8 @@ def create_app(
         task = None
         if state.backend is None and load_engine is not None:
             task = asyncio.ensure_future(_load(app, state, load_engine))
+        if state.cache is not None:
+            await state.cache.start()  # the embedder loads in the background; exact-only meanwhile
         if owned and settings.observability.metrics_port:
             obs.start_metrics_server(settings.server.host)
         yield
@@ -279,6 +283,8 @@ def create_app(
         if owned:
             obs.shutdown()  # flushes batched spans
         await routing.aclose()
+        if state.cache is not None:
+            await state.cache.close()
 
     routes = [
         Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),

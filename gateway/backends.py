@@ -103,10 +103,22 @@ class Router(Protocol):
     async def route(self, job: Job, local: Backend | None) -> Route: ...
 
 
+class CacheLookup(Protocol):
+    @property
+    def header(self) -> str: ...  # x-specgate-cache: "exact; similarity=1.0000", "semantic; ...", "miss"
+
+    def replay(self) -> Generation | None: ...  # a hit, as a generation; None on a miss
+
+    def store(self, fmt: Any, gen: Generation) -> None: ...  # after the last delta only
+
+
 class ResponseCache(Protocol):
-    """Seam for gateway/cache/: ``app.state.gateway.cache``. Non-streamed responses only (for now):
-    ``lookup`` before generation; ``store`` after a complete success. ``job.tenant`` scopes entries."""
+    """Seam for gateway/cache/ (gateway.cache.seam.GatewayCache): ``app.state.gateway.cache``.
+    ``lookup`` before generation (raises only an APIError 400 for a bad ``cache`` body field);
+    ``job.tenant`` scopes entries."""
 
-    async def lookup(self, job: Job) -> dict[str, Any] | None: ...
+    async def start(self) -> None: ...
 
-    async def store(self, job: Job, body: dict[str, Any]) -> None: ...
+    async def lookup(self, job: Job, headers: Any, raw_body: bytes) -> CacheLookup: ...
+
+    async def close(self) -> None: ...

@@ -2,8 +2,8 @@
 
 Everything that can refuse a request (body size, schema, limits, rate, unknown model, prompt
 length, overload) happens before a 200 goes out; after it, a fault becomes one SSE error event and
-``[DONE]``. Hooks: ``state.router`` picks the backend, ``state.cache`` answers or stores
-non-streamed responses (see gateway/backends.py for both protocols).
+``[DONE]``. Hooks: ``state.router`` picks the backend, ``state.cache`` answers a request or stores
+its finished generation, streamed or not (see gateway/backends.py for both protocols).
 """
 
 from __future__ import annotations
@@ -152,14 +152,11 @@ async def _serve(
             fmt: ChatFormat | CompletionFormat = ChatFormat(req.model, req.include_usage, _choices(job))
         else:
             fmt = CompletionFormat(req.model, req.include_usage, _choices(job), job.n, job.echo)
-        cache = state.cache if not req.stream else None
-        if cache is not None:
-            hit = await cache.lookup(route.job)
-            if hit is not None:
-                usage = hit.get("usage") or {}
-                note_usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
-                return JSONResponse(hit, headers=headers | {"x-specgate-cache": "hit"})
-        gen = await route.backend.start(route.job)
+        cached = await state.cache.lookup(route.job, request.headers, body) if state.cache else None
+        if cached is not None:
+            headers["x-specgate-cache"] = cached.header
+        # a hit replays as a Generation, so it streams/formats/charges like a fresh one
+        gen = (cached.replay() if cached else None) or await route.backend.start(route.job)
         if state.router is not None:  # start() may have fallen back to another route
             headers["x-specgate-route"] = route.label
     except Exception as exc:
@@ -169,9 +166,13 @@ async def _serve(
         note_usage(gen.prompt_tokens, fmt.completion_tokens)
         state.limiter.charge_tokens(job.tenant, gen.prompt_tokens + fmt.completion_tokens)
 
+    def finished() -> None:  # every delta arrived (no error, no disconnect): cache it
+        if cached is not None:
+            cached.store(fmt, gen)
+
     if req.stream:
         return EventSourceResponse(
-            _events(gen, fmt, req.include_usage, charge),
+            _events(gen, fmt, req.include_usage, charge, finished),
             sep="\n",
             ping=settings.server.sse_ping_s,
             headers=headers | {"Cache-Control": "no-cache"},
@@ -184,9 +185,7 @@ async def _serve(
         charge()
     if whole is None:  # the client left; nobody will read this
         return Response(status_code=499)
-    if cache is not None:
-        await cache.store(route.job, whole)
-        headers["x-specgate-cache"] = "miss"
+    finished()
     return JSONResponse(whole, headers=headers)
 
 
@@ -237,7 +236,11 @@ async def _disconnect(request: Request) -> None:
 
 
 async def _events(
-    gen: Generation, fmt: ChatFormat | CompletionFormat, include_usage: bool, done: Callable[[], None]
+    gen: Generation,
+    fmt: ChatFormat | CompletionFormat,
+    include_usage: bool,
+    done: Callable[[], None],
+    finished: Callable[[], None] = lambda: None,
 ) -> AsyncIterator[str]:
     try:
         for data in fmt.opening(gen):
@@ -245,6 +248,7 @@ async def _events(
         async for delta in gen:
             for data in fmt.chunks(delta):
                 yield data
+        finished()  # not reached on a fault or a disconnect (the task is cancelled at a yield)
         if include_usage:
             yield fmt.usage_chunk(gen)
     except Exception as exc:  # after the 200: one error event, then [DONE]

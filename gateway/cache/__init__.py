@@ -24,7 +24,8 @@ Tiers, in order:
 
 Per-request control: ``Cache-Control: no-cache`` (skip the lookup) and ``no-store`` (skip the write)
 request headers, and a ``cache`` body field ``{"no_cache": bool, "no_store": bool, "ttl": seconds}``.
-Requests asking for logprobs are never cached (logprobs are not stored).
+Requests asking for logprobs are never cached (logprobs are not stored), and neither are unseeded
+sampled ones (temperature > 0, no seed: each call asks for a fresh sample) unless ``cache_sampled``.
 
 Failure model: the cache fails open. A Redis error or a call slower than ``timeout_ms`` is a miss
 or a skipped write; after ``breaker_failures`` in a row the circuit opens and calls are skipped

@@ -21,7 +21,7 @@ from gateway.cache.backend import Backend, MemoryBackend, SemanticPart
 from gateway.cache.breaker import CircuitBreaker
 from gateway.cache.embedder import Embedder, SentenceEmbedder
 from gateway.cache.lsh import HyperplaneLSH, pack, unpack
-from gateway.cache.query import CacheQuery, Endpoint, build_query, cacheable, parse_controls
+from gateway.cache.query import CacheQuery, Endpoint, build_query, cacheable, deterministic, parse_controls
 from gateway.cache.response import CachedResponse, CacheHit
 from gateway.cache.settings import CacheSettings
 
@@ -84,10 +84,12 @@ class ResponseCache:
         prompt_tokens: int | None = None,
         default_temperature: float = 1.0,
     ) -> CacheQuery | None:
-        """The request as a ``CacheQuery``, or None when the cache must not touch it (disabled, or
-        logprobs asked for). Raises ``CacheControlError`` for a malformed ``cache`` body field."""
+        """The request as a ``CacheQuery``, or None when the cache must not touch it (disabled,
+        logprobs asked for, or unseeded sampling unless ``cache_sampled``). Raises ``CacheControlError`` for a malformed ``cache`` body field."""
         controls = parse_controls(headers or {}, body, self.settings.max_ttl_s)
         if not self.settings.enabled or not cacheable(body):
+            return None
+        if not self.settings.cache_sampled and not deterministic(body, default_temperature):
             return None
         return build_query(
             body,

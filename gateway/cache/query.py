@@ -142,6 +142,14 @@ def cacheable(body: Mapping[str, Any]) -> bool:
     return not body.get("logprobs") and not body.get("top_logprobs")
 
 
+def deterministic(body: Mapping[str, Any], default_temperature: float) -> bool:
+    """Greedy or seeded: the same request gives the same answer, so replaying it is faithful. An
+    unseeded sampled request asks for a fresh sample each time; a replay would silently break that."""
+    temperature = body.get("temperature")
+    temperature = default_temperature if temperature is None else float(temperature)
+    return temperature == 0 or body.get("top_k") == 1 or body.get("seed") is not None
+
+
 def build_query(
     body: Mapping[str, Any],
     *,

@@ -22,6 +22,7 @@ class CacheSettings(BaseModel):
     breaker_failures: int = Field(5, ge=1)  # consecutive failures that open the circuit
     breaker_cooldown_s: float = Field(2.0, gt=0)  # open -> half-open (one probe) after this long
 
+    cache_sampled: bool = False  # also replay unseeded sampled (temperature > 0) answers
     ttl_s: int = Field(3600, ge=1)  # default entry lifetime; a request may lower or raise it
     max_ttl_s: int = Field(7 * 86400, ge=1)  # upper bound on a request's `cache.ttl`
     max_entries_per_tenant: int = Field(10_000, ge=1)  # oldest-expiring entries are evicted past this

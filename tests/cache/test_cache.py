@@ -68,11 +68,14 @@ async def test_semantic_hit_on_paraphrase(make_cache: MakeCache) -> None:
 
 async def test_semantic_only_at_temperature_zero_and_without_tools(make_cache: MakeCache) -> None:
     cache = make_cache()
-    for params in ({"temperature": 0.7}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+    for params in (
+        {"temperature": 0.7, "seed": 1},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    ):
         await put(cache, chat("How do I reverse a list in Python?", **params), "x")
         assert await get(cache, chat("How do I reverse a list in Python?", **params)) == "exact:x"
         assert await get(cache, chat("How can I reverse a list in Python?", **params)) is None
-    body = chat("How do I reverse a list in Python?")
+    body = chat("How do I reverse a list in Python?", seed=5)
     del body["temperature"]  # the gateway's default temperature (1.0 here) is not greedy
     await put(cache, body, "y")
     body["messages"][0]["content"] = "How can I reverse a list in Python?"
@@ -85,7 +88,7 @@ async def test_semantic_only_at_temperature_zero_and_without_tools(make_cache: M
         {"tenant": "other"},
         {"body": {"model": "m2"}},
         {"system": "You are a pirate."},
-        {"body": {"temperature": 0.5}},
+        {"body": {"temperature": 0.5, "seed": 1}},
         {"body": {"max_tokens": 33}},
         {"body": {"stop": ["\n"]}},
         {"body": {"seed": 1}},
@@ -178,6 +181,14 @@ async def test_not_cached(make_cache: MakeCache) -> None:
     assert not await cache.store(q, response_from_texts(["boom"], ["error"], 1, 1))
     assert await cache.lookup(q) is None
     assert make_cache(enabled=False).query(chat("q"), tenant="acme", endpoint="chat") is None
+
+
+async def test_unseeded_sampling_is_not_replayed(make_cache: MakeCache) -> None:
+    sampled = chat("Write a poem.", temperature=0.8)
+    assert make_cache().query(sampled, tenant="acme", endpoint="chat") is None
+    cache = make_cache(cache_sampled=True)
+    await put(cache, sampled, "roses")
+    assert await get(cache, sampled) == "exact:roses"
 
 
 async def test_legacy_completions(make_cache: MakeCache) -> None:

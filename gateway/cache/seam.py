@@ -1,0 +1,133 @@
+"""The gateway's side of the cache (``app.state.gateway.cache``): a validated ``Job`` in, and either a
+hit replayed as a ``Generation`` or a miss whose finished generation gets stored.
+
+A hit goes through the same formatter as a fresh generation, so it streams as ordinary SSE chunks
+(role chunk, content, finish chunk, usage with include_usage) or comes back whole, and the rate
+limiter and usage metrics see it like any other response. serving.py calls::
+
+    c = await state.cache.lookup(job, request.headers, raw_body)   # never raises but for a bad `cache` field
+    gen = c.replay() or await backend.start(job)                    # x-specgate-cache: c.header
+    ...                                                             # after the last delta, not on error/disconnect:
+    c.store(fmt, gen)
+
+``SPECGATE_REDIS_URL`` is honoured here as an alias of ``SPECGATE_CACHE__REDIS_URL``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from gateway.backends import Delta, Generation, Job
+from gateway.cache.cache import ResponseCache
+from gateway.cache.query import CacheControlError, CacheQuery
+from gateway.cache.response import CachedChoice, CachedResponse, CacheHit, header_value
+from gateway.cache.settings import CacheSettings
+from gateway.errors import bad_request
+
+# Job fields that are not generation parameters: identity, transport, and the lossless speculation.
+_NOT_PARAMS = ("request_id", "kind", "model", "messages", "prompts", "spec", "granularity", "tenant", "user")
+
+
+class _Folded(Protocol):
+    """What the formatter accumulated (gateway.formatting._Formatter)."""
+
+    texts: list[str]
+    finish: list[str | None]
+    completion_tokens: int
+
+
+def job_body(job: Job) -> dict[str, Any]:
+    """The job as a request body for ``build_query``: resolved parameters (defaults filled in)."""
+    body = {k: v for k, v in asdict(job).items() if k not in _NOT_PARAMS}
+    body["model"] = job.model
+    if job.kind == "chat":
+        body["messages"] = job.messages
+    else:
+        prompts = job.prompts or []
+        body["prompt"] = prompts[0] if len(prompts) == 1 else prompts
+    return body
+
+
+@dataclass
+class CacheLookup:
+    cache: ResponseCache
+    query: CacheQuery | None  # None: this request bypasses the cache entirely
+    hit: CacheHit | None
+
+    @property
+    def header(self) -> str:
+        return header_value(self.hit)
+
+    def replay(self) -> Generation | None:
+        """The hit as a ``Generation`` (one delta per choice), or None on a miss."""
+        if self.hit is None:
+            return None
+        r = self.hit.response
+        q = self.query
+        prompt_tokens = q.prompt_tokens if q is not None and q.prompt_tokens is not None else r.prompt_tokens
+
+        async def deltas() -> AsyncIterator[Delta]:
+            for i, c in enumerate(r.choices):  # per-choice counts are not stored: the total goes first
+                yield Delta(c.index, c.text, None, c.finish_reason, r.completion_tokens if i == 0 else 0)
+
+        return Generation(prompt_tokens=prompt_tokens, deltas=deltas())
+
+    def store(self, fmt: _Folded, gen: Generation) -> None:
+        """Store a generation that ran to its last delta (callers skip errors and disconnects; the
+        cache itself refuses choices without a stop/length finish)."""
+        if self.query is None or self.hit is not None:
+            return
+        choices = tuple(
+            CachedChoice(i, t, f or "") for i, (t, f) in enumerate(zip(fmt.texts, fmt.finish, strict=True))
+        )
+        response = CachedResponse(choices, gen.prompt_tokens, fmt.completion_tokens)
+        self.cache.store_later(self.query, response)
+
+
+class GatewayCache:
+    def __init__(self, cache: ResponseCache):
+        self.cache = cache
+
+    @classmethod
+    def from_settings(
+        cls, settings: CacheSettings, env: Mapping[str, str] | None = None
+    ) -> GatewayCache | None:
+        if not settings.enabled:
+            return None
+        url = (os.environ if env is None else env).get("SPECGATE_REDIS_URL")
+        if url is not None and settings.redis_url is None:
+            settings = CacheSettings.model_validate({**settings.model_dump(), "redis_url": url})
+        return cls(ResponseCache(settings))
+
+    async def start(self) -> None:
+        await self.cache.start()
+
+    async def close(self) -> None:
+        await self.cache.close()
+
+    async def lookup(self, job: Job, headers: Mapping[str, str], raw_body: bytes) -> CacheLookup:
+        """Raises the gateway's 400 for a malformed ``cache`` body field; otherwise never raises."""
+        try:
+            body = json.loads(raw_body)
+        except ValueError:
+            body = {}
+        extra = {"cache": body.get("cache")} if isinstance(body, dict) else {}
+        if job.echo or job.logprobs is not None:
+            # echo needs the prompt text and logprobs are not stored: neither can be replayed
+            return CacheLookup(self.cache, None, None)
+        try:
+            q = self.cache.query(
+                {**job_body(job), **extra}, tenant=job.tenant, endpoint=_endpoint(job), headers=headers
+            )
+        except CacheControlError as exc:
+            raise bad_request(str(exc), param="cache") from exc
+        hit = await self.cache.lookup(q) if q is not None else None
+        return CacheLookup(self.cache, q, hit)
+
+
+def _endpoint(job: Job) -> Any:
+    return "chat" if job.kind == "chat" else "completions"

@@ -1,0 +1,202 @@
+"""The cache inside the gateway app (scripted engine, in process): hits served as normal responses,
+streamed as SSE with usage, the x-specgate-cache header, what gets stored and what never does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.cache import CacheSettings, ResponseCache
+from gateway.cache.embedder import SentenceEmbedder
+from gateway.cache.seam import GatewayCache
+from gateway.settings import load_settings
+from tests.cache.conftest import RedisProcess
+from tests.gateway.fakes import ScriptedEngine, token_ids
+
+CHAT = [{"role": "user", "content": "How do I reverse a list in Python?"}]
+GREEDY = {"model": "fake", "messages": CHAT, "temperature": 0}
+
+
+def app_with_cache(engine: ScriptedEngine, embedder: SentenceEmbedder, **cache: Any) -> Any:
+    settings = load_settings(env={})
+    app = create_app(settings, engine=engine)  # type: ignore[arg-type]
+    # the session's embedder, already loaded (the app's own would load in the background)
+    app.state.gateway.cache = GatewayCache(ResponseCache(CacheSettings(**cache), embedder=embedder))
+    return app
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def sse_data(raw: str) -> list[str]:
+    return [e[6:] for e in raw.split("\n\n") if e.startswith("data: ")]
+
+
+async def drained(app: Any) -> None:
+    await app.state.gateway.cache.cache.drain()
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    return ScriptedEngine([token_ids("Use "), token_ids("reversed().")])
+
+
+async def test_miss_then_exact_hit(engine: ScriptedEngine, embedder: SentenceEmbedder) -> None:
+    app = app_with_cache(engine, embedder)
+    async with client(app) as c:
+        first = await c.post("/v1/chat/completions", json=GREEDY)
+        assert first.status_code == 200 and first.headers["x-specgate-cache"] == "miss"
+        await drained(app)
+        second = await c.post("/v1/chat/completions", json=GREEDY)
+    assert second.headers["x-specgate-cache"] == "exact; similarity=1.0000"
+    assert len(engine.requests) == 1, "a hit does not generate"
+    a, b = first.json(), second.json()
+    assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"] == "Use reversed()."
+    assert b["choices"][0]["finish_reason"] == "length"
+    assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"]
+    assert b["usage"]["completion_tokens"] == a["usage"]["completion_tokens"] > 0
+    assert b["id"] != a["id"] and b["object"] == "chat.completion"
+
+
+async def test_streamed_semantic_hit_is_proper_sse(
+    engine: ScriptedEngine, embedder: SentenceEmbedder
+) -> None:
+    app = app_with_cache(engine, embedder)
+    async with client(app) as c:
+        await c.post("/v1/chat/completions", json=GREEDY)
+        await drained(app)
+        para = {**GREEDY, "messages": [{"role": "user", "content": "How can I reverse a list in Python?"}]}
+        body = {**para, "stream": True, "stream_options": {"include_usage": True}}
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.headers["x-specgate-cache"].startswith("semantic; similarity=0.9")
+    assert r.headers["content-type"].startswith("text/event-stream")
+    data = sse_data(r.text)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert len({ch["id"] for ch in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    assert text == "Use reversed()."
+    finish = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["delta"] == {}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert all(ch["usage"] is None for ch in chunks[:-1])
+    assert len(engine.requests) == 1
+
+
+async def test_stream_is_stored_and_replayed(engine: ScriptedEngine, embedder: SentenceEmbedder) -> None:
+    app = app_with_cache(engine, embedder)
+    body = {"model": "fake", "prompt": "def f():", "temperature": 0, "stream": True}
+    async with client(app) as c:
+        first = await c.post("/v1/completions", json=body)
+        await drained(app)
+        second = await c.post("/v1/completions", json=body)
+        plain = await c.post("/v1/completions", json={**body, "stream": False})
+    assert first.headers["x-specgate-cache"] == "miss"
+    assert second.headers["x-specgate-cache"].startswith("exact")
+    texts = [json.loads(d)["choices"][0]["text"] for d in sse_data(second.text)[:-1]]
+    assert "".join(texts) == "Use reversed()." and plain.json()["choices"][0]["text"] == "Use reversed()."
+    assert len(engine.requests) == 1
+
+
+async def test_failed_generation_is_not_stored(embedder: SentenceEmbedder) -> None:
+    engine = ScriptedEngine([token_ids("partial")], fail="boom")
+    app = app_with_cache(engine, embedder)
+    async with client(app) as c:
+        for stream in (False, True, False):
+            r = await c.post("/v1/chat/completions", json={**GREEDY, "stream": stream})
+            await drained(app)
+            assert r.headers.get("x-specgate-cache") in ("miss", None)
+    assert len(engine.requests) == 3
+
+
+async def test_aborted_stream_leaves_no_entry(embedder: SentenceEmbedder) -> None:
+    engine = ScriptedEngine([token_ids("tok ")] * 50, delay=0.02)
+    app = app_with_cache(engine, embedder)
+    raw = json.dumps({**GREEDY, "stream": True}).encode()
+    gone, first_body = asyncio.Event(), asyncio.Event()
+    read = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        if not read:
+            read = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and b"tok" in message.get("body", b""):
+            first_body.set()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "root_path": "", "query_string": b"", "client": ("test", 1), "server": ("test", 80),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+    }  # fmt: skip
+    task = asyncio.create_task(app(scope, receive, send))
+    await asyncio.wait_for(first_body.wait(), 10)
+    gone.set()  # the client hangs up mid-stream
+    await asyncio.wait_for(task, 10)
+    await drained(app)
+    cache: ResponseCache = app.state.gateway.cache.cache
+    assert cache.stats["stores"] == 0
+    async with client(app) as c:
+        r = await c.post("/v1/chat/completions", json=GREEDY)
+    assert r.headers["x-specgate-cache"] == "miss"
+
+
+async def test_controls_and_bad_cache_field(engine: ScriptedEngine, embedder: SentenceEmbedder) -> None:
+    app = app_with_cache(engine, embedder)
+    async with client(app) as c:
+        r = await c.post("/v1/chat/completions", json={**GREEDY, "cache": {"no_store": True}})
+        await drained(app)
+        assert r.headers["x-specgate-cache"] == "miss"
+        r = await c.post("/v1/chat/completions", json=GREEDY)
+        await drained(app)
+        assert r.headers["x-specgate-cache"] == "miss", "no_store kept it out"
+        r = await c.post("/v1/chat/completions", json=GREEDY, headers={"Cache-Control": "no-cache"})
+        assert r.headers["x-specgate-cache"] == "miss"
+        r = await c.post("/v1/chat/completions", json={**GREEDY, "cache": {"ttl": -1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache"
+        r = await c.post("/v1/chat/completions", json={**GREEDY, "logprobs": True})
+        assert r.status_code == 200 and "x-specgate-cache" in r.headers
+    assert len(engine.requests) == 4
+
+
+async def test_gateway_serves_through_a_dead_redis(
+    own_redis: RedisProcess, embedder: SentenceEmbedder
+) -> None:
+    engine = ScriptedEngine([token_ids("ok")])
+    app = app_with_cache(engine, embedder, redis_url=own_redis.url, breaker_cooldown_s=0.2)
+    async with client(app) as c:
+        await c.post("/v1/chat/completions", json=GREEDY)
+        await drained(app)
+        assert (
+            (await c.post("/v1/chat/completions", json=GREEDY))
+            .headers["x-specgate-cache"]
+            .startswith("exact")
+        )
+        own_redis.stop()
+        for _ in range(8):
+            r = await c.post("/v1/chat/completions", json=GREEDY)
+            assert r.status_code == 200 and r.headers["x-specgate-cache"] == "miss"
+            assert r.json()["choices"][0]["message"]["content"] == "ok"
+        await drained(app)
+        own_redis.start()
+        await asyncio.sleep(0.25)
+        await c.post("/v1/chat/completions", json=GREEDY)  # the probe: a miss on the empty server, stored
+        await drained(app)
+        assert (
+            (await c.post("/v1/chat/completions", json=GREEDY))
+            .headers["x-specgate-cache"]
+            .startswith("exact")
+        )
+    await app.state.gateway.cache.cache.backend.close()
