@@ -139,8 +139,14 @@ class Engine:
         else:
             generator.seed()
         drafter = self._drafter(target, request)
+        # A seeded sampled request must repeat: adaptive k and the goodput check follow measured
+        # timings, and a different k consumes the generator differently. Such requests draft a
+        # fixed k (greedy output does not depend on k at all, so it keeps adapting).
+        seeded_sampling = request.params.seed is not None and not request.params.greedy
         controller = SpecController(
-            k_max=request.spec.max_k, adaptive=request.spec.adaptive, speculate=drafter is not None
+            k_max=request.spec.max_k,
+            adaptive=request.spec.adaptive and not seeded_sampling,
+            speculate=drafter is not None,
         )
         seq = Sequence(
             request=request,
