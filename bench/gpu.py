@@ -110,30 +110,24 @@ class Replay:
         self.inner.release()
 
 
-class Shadow:
-    """The target's greedy 1-token continuation of a context, on its own cache slot. A fixed
-    reference would stop matching after the first bf16 near-tie flip; this follows the context."""
+def block_continuation(runner: Any, last: int, k: int) -> list[int]:
+    """The target's greedy continuation *as its (k+1)-token verification computes it*, on the
+    sequence's own cache (cut back afterwards, so the sequence is unchanged).
 
-    def __init__(self, runner: Any):
-        self.r = runner
-        self.seen: list[int] = []
-
-    def continuation(self, tokens: list[int], k: int) -> list[int]:
-        common = 0
-        for a, b in zip(self.seen, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
-        self.r.crop(min(self.r.length, common, len(tokens) - 1))
-        if self.r.length < len(tokens) - 1:
-            self.r.forward(tokens[self.r.length : len(tokens) - 1], logits=False)
-        base, last, out = self.r.length, tokens[-1], []
-        for _ in range(k):
-            last = int(self.r.forward([last])[-1].argmax())
-            out.append(last)
-        self.r.crop(base)
-        self.seen = list(tokens[:base])
-        return out
+    Random weights leave logit margins at bf16 rounding size, so a 1-token step and a (k+1)-token
+    step often disagree on argmax, and K/V written by differently shaped passes differ in the last
+    bit. Iterating the verification's own shape on the same cache to a fixed point (row j depends
+    only on block tokens <= j, so each pass fixes at least one more position) gives exactly the
+    tokens the verification accepts: acceptance is then the chosen rate. Called outside the timer."""
+    base = runner.length
+    guess = [0] * k
+    for _ in range(k + 1):
+        am = runner.forward(torch.tensor([last, *guess], device="cuda")).argmax(-1).tolist()  # [k+1]
+        runner.crop(base)
+        if am[:k] == guess:
+            break
+        guess = am[:k]
+    return guess
 
 
 def decode_tps(engine: Engine, ids: list[int], new: int) -> tuple[float, list[int]]:
@@ -146,7 +140,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile on the static forward")
     args = ap.parse_args()
     R: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
@@ -176,78 +169,73 @@ def main() -> None:
             models["draft"] = LoadedModel("draft", draft, tok, max_context=MAX_LEN, runner_factory=d_factory)
         return Engine(models)
 
-    # 2. target-only decode, three ways
-    tps_hf, _ = decode_tps(engine_with(EagerRunner), ids, 32 if not args.quick else 16)
+    # 2. target-only decode: transformers eager, our static cache eager, then the fast backends
+    tps_hf, _ = decode_tps(engine_with(EagerRunner), ids, 16)
     t_static = StaticModel(target, MAX_LEN, slots=1, graphs=False)
     tps_static, _ = decode_tps(engine_with(t_static.runner), ids, 32)
-    t_graph = StaticModel(target, MAX_LEN, slots=2, graphs=True)
-    d_graph = StaticModel(draft, MAX_LEN, slots=1, graphs=True)
-    t_graph.capture(range(1, 10))
-    d_graph.capture(range(1, 10))  # the draft's catch-up after a full acceptance feeds 2 tokens
-    decode_tps(engine_with(t_graph.runner), ids, 16)  # warm
-    tps_graph, reference = decode_tps(engine_with(t_graph.runner), ids, new)
-    R["decode_tps"] = {"transformers_eager": tps_hf, "static_eager": tps_static, "cuda_graphs": tps_graph}
-    R["roofline_fraction"] = tps_graph / R["roofline_tps"]
-    print(f"decode tok/s: hf eager {tps_hf:.1f}, static eager {tps_static:.1f}, graphs {tps_graph:.1f} "
-          f"({R['roofline_fraction']:.0%} of {R['roofline_tps']:.0f})", flush=True)
-
-    # 3. step costs (graphs): draft 1-token step, target (k+1)-token verification
-    tr, dr = t_graph.runner(), d_graph.runner()
-    tr.forward(ids, logits=False)
-    dr.forward(ids, logits=False)
-    L = tr.length
+    R["decode_tps"] = {"transformers_eager": tps_hf, "static_eager": tps_static}
     tok1 = torch.tensor([5], device="cuda")
 
-    def t_step(T: int):  # type: ignore[no-untyped-def]
+    def one_step(model: StaticModel, T: int):  # type: ignore[no-untyped-def]
+        r = model.runner()
+        r.forward(ids, logits=False)
+        L = r.length
         toks = torch.arange(T, device="cuda") + 7
 
         def f():  # type: ignore[no-untyped-def]
-            tr.forward(toks)
-            tr.crop(L)
-        return f
+            r.forward(toks)
+            r.crop(L)
+        t = cuda_time(f, 30)
+        r.release()
+        return t
 
-    def d_step():  # type: ignore[no-untyped-def]
-        dr.forward(tok1)
-        dr.crop(L)
-
-    t1 = cuda_time(t_step(1), 50)
-    td = cuda_time(d_step, 50)
-    R["target_step_s"], R["draft_step_s"] = t1, td
-    R["c"] = td / t1
-    R["c_v"] = {k: cuda_time(t_step(k + 1), 30) / t1 for k in range(1, 9)}
-    # eager (no graph) step costs for the same shapes: the gain of the fast path
-    te, de = t_static.runner(), StaticModel(draft, MAX_LEN, slots=1, graphs=False).runner()
-    te.forward(ids, logits=False)
-    de.forward(ids, logits=False)
-    R["eager_target_step_s"] = cuda_time(lambda: (te.forward(tok1), te.crop(L)), 20)
-    R["eager_draft_step_s"] = cuda_time(lambda: (de.forward(tok1), de.crop(L)), 20)
+    backends: dict[str, tuple[StaticModel, StaticModel]] = {}
+    for name, compile_step in (("cuda_graphs", False), ("compile+cuda_graphs", True)):
+        try:
+            t0 = time.perf_counter()
+            tm = StaticModel(target, MAX_LEN, slots=2, graphs=True, compile_step=compile_step)
+            dm = StaticModel(draft, MAX_LEN, slots=1, graphs=True, compile_step=compile_step)
+            tm.capture(range(1, 10))
+            dm.capture(range(1, 10))  # the draft's catch-up after a full acceptance feeds 2 tokens
+            setup = time.perf_counter() - t0
+            decode_tps(engine_with(tm.runner), ids, 16)  # warm
+            tps, ref = decode_tps(engine_with(tm.runner), ids, new)
+        except Exception as exc:  # compile can fail on a new torch: record it, keep the rest
+            R.setdefault("backend_errors", {})[name] = repr(exc)[:500]
+            print(f"{name}: failed: {exc!r}"[:300], flush=True)
+            continue
+        t1, td = one_step(tm, 1), one_step(dm, 1)
+        R.setdefault("backends", {})[name] = b = {
+            "setup_s": setup, "decode_tps": tps, "roofline_fraction": tps / R["roofline_tps"],
+            "target_step_s": t1, "draft_step_s": td, "c": td / t1,
+            "c_v": {k: one_step(tm, k + 1) / t1 for k in range(1, 9)},
+        }
+        backends[name] = (tm, dm)
+        if name == "cuda_graphs":
+            reference = ref
+        print(f"{name}: setup {setup:.0f}s, {tps:.1f} tok/s ({b['roofline_fraction']:.0%} of {R['roofline_tps']:.0f}); "
+              f"target {t1 * 1e3:.2f} ms, draft {td * 1e3:.2f} ms, c = {b['c']:.3f}; "
+              f"c_v = {', '.join(f'{v:.2f}' for v in b['c_v'].values())}", flush=True)
+    de = StaticModel(draft, MAX_LEN, slots=1, graphs=False)
+    R["eager_target_step_s"], R["eager_draft_step_s"] = one_step(t_static, 1), one_step(de, 1)
     hf_t, hf_d = EagerRunner(target), EagerRunner(draft)
     hf_t.forward(ids, logits=False)
     hf_d.forward(ids, logits=False)
+    L = hf_t.length
     R["hf_target_step_s"] = cuda_time(lambda: (hf_t.forward(tok1), hf_t.crop(L)), 20)
     R["hf_draft_step_s"] = cuda_time(lambda: (hf_d.forward(tok1), hf_d.crop(L)), 20)
-    for r in (tr, dr, te, de):
-        r.release()
-    print(f"step: target {t1 * 1e3:.2f} ms, draft {td * 1e3:.2f} ms, c = {R['c']:.3f}; "
-          f"c_v = {', '.join(f'{v:.2f}' for v in R['c_v'].values())}", flush=True)
     print(f"eager steps: static target {R['eager_target_step_s'] * 1e3:.2f} ms draft {R['eager_draft_step_s'] * 1e3:.2f} ms; "
           f"hf target {R['hf_target_step_s'] * 1e3:.2f} ms draft {R['hf_draft_step_s'] * 1e3:.2f} ms", flush=True)
-
-    if args.compile:
-        tc = StaticModel(target, MAX_LEN, slots=1, graphs=False, compile_step=True).runner()
-        tc.forward(ids, logits=False)
-        t0 = time.perf_counter()
-        tc.forward(tok1)
-        tc.crop(L)
-        R["compile_first_call_s"] = time.perf_counter() - t0
-        R["compile_target_step_s"] = cuda_time(lambda: (tc.forward(tok1), tc.crop(L)), 20)
-        tc.release()
+    best_name = min(backends, key=lambda n: R["backends"][n]["c"] * 4 + R["backends"][n]["c_v"][4])
+    t_fast, d_fast = backends[best_name]
+    B = R["backends"][best_name]
+    R["spec_backend"] = best_name
+    tps_graph = B["decode_tps"]
 
     # 4. speculation at controlled acceptance, every k; output must equal target-only output
     from decoding.drafters import DraftModelDrafter
 
-    spec_engine = engine_with(t_graph.runner, d_graph.runner)
-    shadow = Shadow(t_graph.runner())
+    spec_engine = engine_with(t_fast.runner, d_fast.runner)
     rows = []
     ks = [2, 4, 6] if args.quick else list(range(1, 9))
     for a in (0.6, 0.7, 0.8, 0.9):
@@ -259,10 +247,15 @@ def main() -> None:
             assert isinstance(seq.drafter, DraftModelDrafter)
             replay = Replay(seq.drafter, a, gen, [])
             seq.drafter = replay  # type: ignore[assignment]
+            # prefill both caches outside the timer: tok/s here is decode speed, as for target-only
+            seq.runner.forward(seq.tokens[:-1], logits=False)
+            replay.inner.runner.forward(seq.tokens[:-1], logits=False)
+            seq.prefilled = True
             out: list[int] = []
             elapsed = 0.0
             while True:
-                replay.next_tokens = shadow.continuation(seq.tokens, k)  # untimed
+                kk = min(k, new - seq.completion_tokens - 1)  # as the engine clips k (untimed)
+                replay.next_tokens = block_continuation(seq.runner, seq.tokens[-1], kk) if kk > 0 else []
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 step = spec_engine.step(seq)  # ends in the step's one host sync
@@ -274,8 +267,8 @@ def main() -> None:
             tps = len(out) / elapsed
             st = seq.stats
             a_meas = st.acceptance_rate
-            pred = (1 - a ** (k + 1)) / ((1 - a) * (k * R["c"] + R["c_v"][k]))
-            pred_meas = (1 - a_meas ** (k + 1)) / ((1 - a_meas) * (k * R["c"] + R["c_v"][k])) if a_meas < 1 else float("nan")
+            pred = (1 - a ** (k + 1)) / ((1 - a) * (k * B["c"] + B["c_v"][k]))
+            pred_meas = (1 - a_meas ** (k + 1)) / ((1 - a_meas) * (k * B["c"] + B["c_v"][k])) if a_meas < 1 else float("nan")
             first_diff = next((i for i, (x, y) in enumerate(zip(out, reference, strict=False)) if x != y), None)
             rows.append(dict(a=a, k=k, tps=tps, speedup=tps / tps_graph, predicted=pred, predicted_at_measured=pred_meas,
                              measured_acceptance=a_meas, tokens_per_step=st.mean_accepted_per_step,
@@ -283,8 +276,7 @@ def main() -> None:
             print(f"a={a} k={k}: {tps:.1f} tok/s, {tps / tps_graph:.2f}x (pred {pred:.2f}x; at measured a {pred_meas:.2f}x), "
                   f"accept {a_meas:.2f}, tok/step {st.mean_accepted_per_step:.2f}, identical={out == reference}", flush=True)
     R["speculative"] = rows
-    shadow.r.release()
-    R["bf16_divergence"] = _divergence_margins(t_graph, ids, reference, rows)
+    R["bf16_divergence"] = _divergence_margins(t_fast, ids, reference, rows)
     with open(args.out, "w") as f:
         json.dump(R, f, indent=1)
     best = max((r for r in rows if r["a"] == 0.8), key=lambda r: r["speedup"])

@@ -48,6 +48,7 @@ class StaticModel:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.gqa = bool(self.n_kv != self.n_heads)  # a plain bool: torch.compile must not trace it
         self.layers = model.model.layers
         L = len(self.layers)
         # [slots, layers, kv_heads, max_len + scratch, head_dim]: graph warm-up and capture write
@@ -72,7 +73,11 @@ class StaticModel:
         self._lock = threading.Lock()
         step: Callable[..., torch.Tensor] = self._forward
         if compile_step:
-            step = torch.compile(self._forward, mode="max-autotune-no-cudagraphs", fullgraph=True, dynamic=False)
+            # inductor fuses the elementwise chains (RMSNorm, RoPE, SiLU-gate, residuals) into a few
+            # kernels; at batch 1 kernel count, not bytes, bounds a small draft model's step. The
+            # CUDA graphs above are our own, so inductor's are off; T is dynamic so one compile
+            # serves every verification length (T=1 is specialised by dynamo anyway).
+            step = torch.compile(self._forward, fullgraph=True, dynamic=True)
         self._step = step
 
     # ---- slots ------------------------------------------------------------------------------
@@ -113,7 +118,7 @@ class StaticModel:
             kc.index_copy_(1, pos, k)
             vc.index_copy_(1, pos, v)
             o = F.scaled_dot_product_attention(
-                q[None], kc[None], vc[None], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
+                q[None], kc[None], vc[None], attn_mask=mask, enable_gqa=self.gqa
             )  # [1, H, T, hd]
             x = x + attn.o_proj(o[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
