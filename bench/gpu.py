@@ -54,6 +54,12 @@ def build(shape: dict[str, Any], seed: int) -> Qwen2ForCausalLM:
     return model
 
 
+def save(results: dict[str, Any], path: str) -> None:
+    """Written after every stage: a run cut short by its time limit still leaves its numbers."""
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def cuda_time(fn, iters: int, warmup: int = 3) -> float:  # type: ignore[no-untyped-def]
     """Median seconds per call, timed with CUDA events."""
     for _ in range(warmup):
@@ -226,6 +232,7 @@ def main() -> None:
     R["hf_draft_step_s"] = cuda_time(lambda: (hf_d.forward(tok1), hf_d.crop(L)), 20)
     print(f"eager steps: static target {R['eager_target_step_s'] * 1e3:.2f} ms draft {R['eager_draft_step_s'] * 1e3:.2f} ms; "
           f"hf target {R['hf_target_step_s'] * 1e3:.2f} ms draft {R['hf_draft_step_s'] * 1e3:.2f} ms", flush=True)
+    save(R, args.out)
     best_name = min(backends, key=lambda n: R["backends"][n]["c"] * 4 + R["backends"][n]["c_v"][4])
     t_fast, d_fast = backends[best_name]
     B = R["backends"][best_name]
@@ -273,6 +280,7 @@ def main() -> None:
             rows.append(dict(a=a, k=k, tps=tps, speedup=tps / tps_graph, predicted=pred, predicted_at_measured=pred_meas,
                              measured_acceptance=a_meas, tokens_per_step=st.mean_accepted_per_step,
                              identical=out == reference, first_diff=first_diff))
+            save({**R, "speculative": rows}, args.out)
             print(f"a={a} k={k}: {tps:.1f} tok/s, {tps / tps_graph:.2f}x (pred {pred:.2f}x; at measured a {pred_meas:.2f}x), "
                   f"accept {a_meas:.2f}, tok/step {st.mean_accepted_per_step:.2f}, identical={out == reference}", flush=True)
     R["speculative"] = rows
