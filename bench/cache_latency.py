@@ -127,7 +127,7 @@ def run(url: str, model: str, n: int, n_full: int, max_tokens: int) -> dict[str,
             "semantic hit": timed(c, body(model, PARAPHRASE, max_tokens), n, "semantic"),
         }
         misses = []
-        for i in range(min(n, 50)):  # fresh greedy questions, not stored: lookup + embedding + generation
+        for i in range(n_full):  # fresh greedy questions, not stored: lookup + embedding + generation
             misses += timed(c, body(model, f"What is item {i} of the list? ({time.time()})", max_tokens), 1,
                             "miss", **{"cache-control": "no-store"})  # fmt: skip
         res["semantic-eligible miss (incl. generation)"] = misses
@@ -144,9 +144,10 @@ def main() -> None:
     )
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--n-full", type=int, default=0, help="generations per slow path (default 50, 3 with --real)")
     args = ap.parse_args()
     models, model = (REAL, "qwen2.5-coder-1.5b") if args.real else (TINY, "tiny")
-    n_full = 5 if args.real else 50
+    n_full = args.n_full or (3 if args.real else 50)
     work = Path(tempfile.mkdtemp(prefix="cache-bench-"))
     redis_proc, redis_url = start_redis(work) if shutil.which("redis-server") else (None, None)
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
