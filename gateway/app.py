@@ -41,7 +41,6 @@ from gateway.settings import Settings
 log = logging.getLogger("specgate.gateway")
 
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-PUBLIC_PATHS = frozenset({"/health"})
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -99,7 +98,7 @@ class GatewayMiddleware:
 
     def _tenant(self, path: str, authorization: bytes) -> str:
         keys = self.state.settings.auth.api_keys
-        if not keys or path in PUBLIC_PATHS:
+        if not keys or path in self.state.settings.auth.public_paths:
             return "anonymous"
         scheme, _, token = authorization.decode("latin-1").partition(" ")
         token = token.strip()

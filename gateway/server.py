@@ -76,7 +76,13 @@ def _build_engine(settings: Settings) -> Any:
     from decoding.engine import Engine
     from decoding.loader import ModelSpec, load_all
 
-    specs = [ModelSpec(m.name, m.source, m.draft, m.dtype, m.device, m.max_context) for m in settings.models]
+    # static-cache backends hold one KV slot per live sequence: a model can be a target for
+    # max_active requests and a draft for as many more
+    slots = 2 * settings.limits.max_active
+    specs = [
+        ModelSpec(m.name, m.source, m.draft, m.dtype, m.device, m.max_context, backend=m.backend, slots=slots)
+        for m in settings.models
+    ]
     engine = Engine(load_all(specs))
     return AsyncEngine(engine, max_active=settings.limits.max_active, max_queued=settings.limits.max_queued)
 

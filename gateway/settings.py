@@ -49,10 +49,17 @@ class ModelSettings(_Section):
     dtype: str = "auto"
     device: str = "auto"
     max_context: int | None = Field(default=None, ge=2)
+    # eager | static | cuda_graphs | compile | tensorrt; auto: cuda_graphs on a GPU, eager on a CPU
+    backend: Literal["auto", "eager", "static", "cuda_graphs", "compile", "tensorrt"] = "auto"
 
 
 class AuthSettings(_Section):
     api_keys: list[str] = Field(default_factory=list)  # empty: no auth
+    # Paths served without a key when keys are set. Beyond /health, readiness and metrics are open by
+    # default because Kubernetes probes and Prometheus scrapers carry no key, and the dashboard is a
+    # static page over /metrics that a browser opens without one. None of them holds prompt text.
+    # Set to ["/health"] to require a key everywhere else.
+    public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics", "/dashboard"])
 
 
 class LimitSettings(_Section):

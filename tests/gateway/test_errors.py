@@ -226,10 +226,13 @@ def test_auth_required(server: Server, path: str) -> None:
     assert r.status_code == 200
 
 
-def test_health_needs_no_auth_but_ready_does(server: Server) -> None:
+def test_probes_and_metrics_need_no_auth_but_the_api_does(server: Server) -> None:
+    # kubelet probes and Prometheus scrapers carry no key (auth.public_paths, configurable)
     assert httpx.get(server.url + "/health").status_code == 200
-    assert_error(httpx.get(server.url + "/ready"), 401)
-    assert_error(httpx.get(server.url + "/metrics"), 401)
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/dashboard").status_code == 200
+    assert_error(httpx.get(server.url + "/v1/models"), 401)
 
 
 def test_sdk_raises_typed_errors(server: Server) -> None:

@@ -1,0 +1,65 @@
+"""Benchmarks write their results into docs/benchmarks.md, each into its own marked section, so one
+benchmark's rerun replaces its numbers without touching the others'."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADER = """# Benchmarks
+
+Every number here was written by a script under `bench/`, with the machine, the command and the
+date it ran. Rerun one with the command its section names; it replaces only its own section.
+Speed is never asserted by tests.
+"""
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def command() -> str:
+    return " ".join(["python -m", _module(), *sys.argv[1:]])
+
+
+def _module() -> str:
+    p = Path(sys.argv[0]).resolve()
+    try:
+        rel = p.relative_to(DOC.parent.parent)
+    except ValueError:
+        return p.stem
+    return ".".join(rel.with_suffix("").parts)
+
+
+def stamp() -> str:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=DOC.parent.parent)
+    return (
+        f"Machine: {machine()}. Command: `{command()}`. "
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Commit: {rev.stdout.strip() or 'unknown'}."
+    )
+
+
+def write_section(name: str, markdown: str, doc: Path = DOC) -> None:
+    """Replace (or append) the section between ``<!-- bench:name -->`` markers."""
+    text = doc.read_text() if doc.exists() else HEADER
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
