@@ -30,6 +30,9 @@ class SpecController:
     speculate: bool = True  # False: the request asked for plain decoding
     min_speedup: float = 1.0  # speculate only when predicted goodput beats plain by this factor
     probe_every: int = 16  # while off, retry speculation after this many plain steps
+    min_probe_every: int = 16
+    max_probe_every: int = 128
+    probing: bool = False
     accepted_w: float = 1.0  # decayed counts behind the acceptance estimate (a prior of a = 0.5)
     rejected_w: float = 1.0
     t_draft: float | None = None  # seconds per drafted token
@@ -57,12 +60,18 @@ class SpecController:
                 self.off_steps += 1
                 return 0
             self.switched_off, self.off_steps = False, 0
+            self.probing = True
             return self._best_k()[0]  # probe: measure speculation again
         k, rate = self._best_k()
         if self.t_plain is not None and rate * self.min_speedup < 1.0 / self.t_plain and self.t_draft is not None:
-            self.switched_off = True
+            # a probe that failed doubles the wait before the next one: where speculation does not
+            # pay (a haiku), probing must cost next to nothing
+            self.probe_every = min(self.probe_every * 2, self.max_probe_every) if self.probing else self.probe_every
+            self.switched_off, self.probing = True, False
             self.off_steps = 1
             return 0
+        if self.probing:
+            self.probing, self.probe_every = False, self.min_probe_every
         return k
 
     def _t_verify(self, k: int) -> float | None:

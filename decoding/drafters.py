@@ -37,6 +37,11 @@ class Drafter(Protocol):
         generator: torch.Generator | None,
     ) -> Proposal: ...
 
+    def catch_up(self, tokens: list[int]) -> None:
+        """Absorb a backlog of unseen tokens (the prompt, tokens from plain steps) ahead of a proposal,
+        so that the proposal's own cost is what it costs in steady state."""
+        ...
+
     def rollback(self, valid: int) -> None:
         """Only the first ``valid`` tokens of the sequence seen so far are still right."""
         ...
@@ -49,9 +54,15 @@ class DraftModelDrafter:
 
     name = "draft"
 
+    INLINE = 2  # unseen tokens a proposal feeds itself (after a full acceptance: d_k and the bonus)
+
     def __init__(self, runner: SequenceRunner, device: torch.device):
         self.runner = runner
         self.device = device
+
+    def catch_up(self, tokens: list[int]) -> None:
+        if len(tokens) - self.runner.length > self.INLINE:
+            self.runner.forward(tokens[self.runner.length : -1], logits=False)
 
     def propose(
         self,
@@ -114,6 +125,9 @@ class PromptLookupDrafter:
     ) -> Proposal:
         found = lookup_ngram(np.asarray(tokens, dtype=np.int64), k, self.max_ngram, self.min_ngram)
         return Proposal(torch.tensor(found, dtype=torch.long, device=self.device), None)
+
+    def catch_up(self, tokens: list[int]) -> None:
+        pass
 
     def rollback(self, valid: int) -> None:
         pass

@@ -94,19 +94,12 @@ def to_job(
     return Job(kind="completion", prompts=prompts, logprobs=req.logprobs, echo=req.echo, **common)
 
 
-SEEDED_K = 4  # draft length for seeded sampling (fixed k; see _spec)
-
-
 def _spec(req: ChatCompletionRequest | CompletionRequest) -> SpecParams:
-    """Speculation for the request. Deliberate divergence from the engine default: a seeded sampled
-    request drafts a fixed k, because the adaptive k follows measured timings and a different k
-    consumes the seeded random stream differently, so the same seed would not repeat its output."""
+    """Speculation for the request. (A seeded sampled request drafts a fixed k so the seed repeats:
+    the engine decides that, see decoding.engine.Engine.start.)"""
     opts = req.speculative
     mode = SpecMode(opts.mode) if opts is not None else SpecMode.AUTO
     max_k = opts.max_k if opts is not None and opts.max_k is not None else None
-    sampled = req.temperature is None or req.temperature > 0
-    if req.seed is not None and sampled:
-        return SpecParams(mode=mode, max_k=max_k or SEEDED_K, adaptive=False)
     return SpecParams(mode=mode, max_k=max_k or SpecParams.max_k)
 
 
@@ -148,10 +141,12 @@ async def _serve(
         route = await _route(state, job)
         if state.router is not None:
             headers["x-specgate-route"] = route.label
+        # the response names the model that serves it (`auto` resolves to a real one), as OpenAI does
+        served = route.job.model
         if isinstance(req, ChatCompletionRequest):
-            fmt: ChatFormat | CompletionFormat = ChatFormat(req.model, req.include_usage, _choices(job))
+            fmt: ChatFormat | CompletionFormat = ChatFormat(served, req.include_usage, _choices(job))
         else:
-            fmt = CompletionFormat(req.model, req.include_usage, _choices(job), job.n, job.echo)
+            fmt = CompletionFormat(served, req.include_usage, _choices(job), job.n, job.echo)
         cached = await state.cache.lookup(route.job, request.headers, body) if state.cache else None
         if cached is not None:
             headers["x-specgate-cache"] = cached.header
