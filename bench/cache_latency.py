@@ -10,13 +10,15 @@ redis-server of its own on a free port, and times sequential requests from one k
 - full generation: the same request with ``Cache-Control: no-cache, no-store``.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.cache_latency [--real] [--n 200]
+
+Writes the `cache-latency` section of docs/benchmarks.md (`cache-latency-real` with ``--real``, so the
+two runs do not replace each other), through bench/report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -29,6 +31,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from bench.report import stamp, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -150,9 +154,11 @@ def main() -> None:
     n_full = args.n_full or (3 if args.real else 50)
     work = Path(tempfile.mkdtemp(prefix="cache-bench-"))
     redis_proc, redis_url = start_redis(work) if shutil.which("redis-server") else (None, None)
-    print(f"# {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"{time.strftime('%Y-%m-%d %H:%M %Z')}, model={model}, max_tokens={args.max_tokens}")  # fmt: skip
+    header = stamp()
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"# {header} model={model}, max_tokens={args.max_tokens}")
     print("| backend | path | n | p50 ms | p99 ms | mean ms |\n|---|---|---|---|---|---|")
+    rows: list[tuple[str, str, list[float]]] = []
     try:
         for name, cache in (("in-process", {}), ("redis", {"redis_url": redis_url})):
             if cache.get("redis_url", "") is None:
@@ -160,6 +166,7 @@ def main() -> None:
             proc, url = start_gateway(work, models, cache)
             try:
                 for path, xs in run(url, model, args.n, n_full, args.max_tokens).items():
+                    rows.append((name, path, xs))
                     print(f"| {name} | {path} | {len(xs)} | {pct(xs, 50):.2f} | {pct(xs, 99):.2f} "
                           f"| {statistics.fmean(xs):.2f} |", flush=True)  # fmt: skip
             finally:
@@ -169,6 +176,56 @@ def main() -> None:
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(10)
+    section = "cache-latency-real" if args.real else "cache-latency"
+    write_section(section, render(rows, header, load, args, n_full, redis_proc is not None))
+
+
+def render(rows: list[tuple[str, str, list[float]]], header: str, load: str, args: argparse.Namespace,
+           n_full: int, redis: bool) -> str:  # fmt: skip
+    version = ""
+    if redis:
+        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()
+        version = next((w.removeprefix("v=") for w in out if w.startswith("v=")), "")
+    what = ("the real default deployment: Qwen2.5-Coder-1.5B with the 0.5B as draft, bf16 on CPU" if args.real
+            else "tiny random model")  # fmt: skip
+    lines = [
+        f"## Cache latency through the gateway{' (real pair)' if args.real else ''}",
+        "",
+        header,
+        f"Load average (1/5/15 min) at start: {load}." + (f" Redis {version}." if version else " No redis-server found: in-process only."),
+        "",
+        f"{what}; in-process cache and then a redis-server of the benchmark's own on localhost; one keep-alive "
+        f"httpx client, sequential requests, non-streamed, `max_tokens` {args.max_tokens}, times in ms measured "
+        f"at the client; {n_full} generations per slow path.",
+        "",
+        "| backend | path | n | p50 ms | p99 ms | mean ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, path, xs in rows:
+        lines.append(f"| {name} | {path} | {len(xs)} | {pct(xs, 50):.2f} | {pct(xs, 99):.2f} | {statistics.fmean(xs):.2f} |")
+    p50 = {(n, p): pct(xs, 50) for n, p, xs in rows}
+    exact = [v for (_, p), v in p50.items() if p == "exact hit"]
+    sem = [v for (_, p), v in p50.items() if p == "semantic hit"]
+    full = [v for (_, p), v in p50.items() if p.startswith("full generation")]
+    if exact and sem:
+        lines += [
+            "",
+            f"Goals: exact hit <= 3 ms p50 ({min(exact):.2f}-{max(exact):.2f} ms: "
+            f"{'met' if max(exact) <= 3 else 'NOT met'}), semantic hit <= 25 ms p50 "
+            f"({min(sem):.2f}-{max(sem):.2f} ms: {'met' if max(sem) <= 25 else 'NOT met'}).",
+        ]
+    if full and exact and sem:
+        lines.append(
+            f"A hit answers in about 1/{min(full) / max(exact):.0f} (exact) and 1/{min(full) / max(sem):.0f} "
+            f"(semantic) of a {args.max_tokens}-token generation's p50."
+        )
+    lines += [
+        "",
+        "A greedy request that misses pays the embedding too, since the semantic tier must embed before it can "
+        "miss; sampled or long requests skip the semantic tier. The miss rows use different, longer prompts "
+        "than the full-generation rows, so their difference is the embedding plus prompt length.",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
