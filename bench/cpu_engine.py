@@ -90,6 +90,8 @@ def main() -> None:
         name: list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
         for name, p in PROMPTS.items()
     }
+    costs = step_costs(models, encoded["haiku"])
+    print("step costs", costs, flush=True)
     warm = encoded["haiku"][:20]
     for run in methods.values():  # warm-up: first-call allocations and thread pools stay out of the numbers
         run(warm)
@@ -108,10 +110,31 @@ def main() -> None:
         ref = results[prompt]["target-only"]["tokens"]
         for m in names:
             results[prompt][m]["identical"] = results[prompt][m]["tokens"] == ref
-    write_section("cpu-engine", render(results, names, load_s))
+    write_section("cpu-engine", render(results, names, load_s, costs))
 
 
-def render(results: dict[str, dict[str, dict[str, Any]]], names: list[str], load_s: float) -> str:
+def step_costs(models: dict[str, Any], ids: list[int]) -> dict[str, float]:
+    """Median seconds of a 1-token target step, a (k+1)-token verification and a 1-token draft step:
+    whether speculation can pay on this CPU at all is decided here (c and c_v)."""
+    from decoding.runner import EagerRunner
+
+    out: dict[str, float] = {}
+    for name, sizes in (("target", (1, 3, 5)), ("draft", (1,))):
+        r = EagerRunner(models[name].model)
+        r.forward(ids, logits=False)
+        L = r.length
+        for T in sizes:
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                r.forward(list(range(100, 100 + T)))
+                times.append(time.perf_counter() - t)
+                r.crop(L)
+            out[f"{name}_T{T}"] = statistics.median(times)
+    return out
+
+
+def render(results: dict[str, dict[str, dict[str, Any]]], names: list[str], load_s: float, costs: dict[str, float]) -> str:
     lines = [
         "## Engine on the CPU: the real pair",
         "",
@@ -120,6 +143,14 @@ def render(results: dict[str, dict[str, dict[str, Any]]], names: list[str], load
         "Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft (both from the pinned GGUFs, converted to safetensors, bf16), "
         "greedy, up to 128 new tokens, chat template. Tok/s = new tokens / wall time of the call, prefill included. "
         f"Models loaded from the converted store in {load_s:.1f} s. `identical` = token-identical to target-only.",
+        "",
+        f"Step costs on this CPU (bf16, median of 5): target 1 token {costs['target_T1'] * 1e3:.0f} ms, "
+        f"3 tokens {costs['target_T3'] * 1e3:.0f} ms, 5 tokens {costs['target_T5'] * 1e3:.0f} ms "
+        f"(c_v(2) = {costs['target_T3'] / costs['target_T1']:.2f}, c_v(4) = {costs['target_T5'] / costs['target_T1']:.2f}); "
+        f"draft 1 token {costs['draft_T1'] * 1e3:.0f} ms (c = {costs['draft_T1'] / costs['target_T1']:.2f}). "
+        "Speculation pays only where verifying k+1 tokens costs little more than one step; where c_v(k) grows "
+        "like k+1 (no bf16 matrix units: AVX2-only CPUs run bf16 GEMMs with M > 1 as M separate passes), no "
+        "acceptance rate makes it pay, and the engine's goodput check keeps it off.",
         "",
         "| prompt | " + " | ".join(names) + " |",
         "|---" * (len(names) + 1) + "|",
@@ -147,7 +178,7 @@ def render(results: dict[str, dict[str, dict[str, Any]]], names: list[str], load
         "Goals (engine issue):",
         f"- draft-model speculation vs transformers' assisted generation, median: {ratio:.2f}x (goal >= 1.2x)",
         f"- slowest prompt under draft speculation vs target-only: {worst:.2f}x (goal >= 0.95x)",
-        f"- prompt lookup vs transformers' prompt lookup on input-grounded prompts: "
+        "- prompt lookup vs transformers' prompt lookup on input-grounded prompts: "
         + ", ".join(f"{g:.2f}x" for g in grounded) + " (goal >= 1.0x)",
         f"- every output token-identical to target-only: {'yes' if identical else 'NO'}",
     ]

@@ -56,7 +56,7 @@ class SpecController:
         if self.steps == 2 and self.t_plain is None:
             return 0  # one early plain step measures what speculation must beat
         if self.switched_off:
-            if self.off_steps < self.probe_every:
+            if self.off_steps < self.probe_every or self.hopeless():
                 self.off_steps += 1
                 return 0
             self.switched_off, self.off_steps = False, 0
@@ -75,16 +75,29 @@ class SpecController:
         return k
 
     def _t_verify(self, k: int) -> float | None:
+        """Measured, or interpolated on the line through the plain step (k = 0) and the nearest
+        measured k: on a GPU the line is nearly flat, on a CPU without bf16 matrix units it climbs
+        by a whole step per token."""
         if k in self.t_verify:
             return self.t_verify[k]
         if not self.t_verify:
             return self.t_plain
         nearest = min(self.t_verify, key=lambda j: abs(j - k))
-        return self.t_verify[nearest]
+        if self.t_plain is None:
+            return self.t_verify[nearest]
+        slope = (self.t_verify[nearest] - self.t_plain) / nearest
+        return self.t_plain + slope * k
+
+    def hopeless(self) -> bool:
+        """Even if every drafted token were accepted, speculation would not beat plain decoding."""
+        if self.t_plain is None or self.t_draft is None or not self.t_verify:
+            return False
+        best = max((k + 1) / (k * self.t_draft + (self._t_verify(k) or 0.0)) for k in range(1, self.k_max + 1))
+        return best * self.min_speedup < 1.0 / self.t_plain
 
     def _best_k(self) -> tuple[int, float]:
         if self.t_draft is None:
-            return min(4, self.k_max), 0.0
+            return min(2, self.k_max), 0.0  # the first, measuring step: cheap if it turns out not to pay
         a = self.acceptance
         best_k, best_rate = 1, -1.0
         for k in range(1, self.k_max + 1):

@@ -39,3 +39,22 @@ def test_draft_as_costly_as_target_switches_speculation_off_then_probes():
 def test_fixed_k_and_off():
     assert drive(SpecController(k_max=5, adaptive=False), 3, False, 1.0, 0.1) == [5, 5, 5]
     assert drive(SpecController(k_max=5, speculate=False), 3, True, 0.0, 0.1) == [0, 0, 0]
+
+
+def test_verification_linear_in_k_is_hopeless_and_stops_probing():
+    """A CPU without bf16 matrix units: verifying k+1 tokens costs k+1 steps, so no acceptance
+    rate can make speculation pay; the controller stops probing for good."""
+    c = SpecController(k_max=8, probe_every=4)
+    ks = []
+    for _ in range(60):
+        k = c.choose_k()
+        ks.append(k)
+        c.observe(k, k, k * 0.04, 0.2 * (k + 1))  # every draft accepted, verification linear in k
+    assert c.hopeless()
+    assert ks[10:].count(0) == 50
+
+
+def test_flat_verification_with_a_cheap_draft_is_not_hopeless():
+    c = SpecController(k_max=8)
+    drive(c, 10, accept_all=True, t_draft=0.01, t_target=0.1)
+    assert not c.hopeless()
