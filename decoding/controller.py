@@ -33,6 +33,7 @@ class SpecController:
     min_probe_every: int = 16
     max_probe_every: int = 128
     probing: bool = False
+    prefill_per_token: float | None = None
     accepted_w: float = 1.0  # decayed counts behind the acceptance estimate (a prior of a = 0.5)
     rejected_w: float = 1.0
     t_draft: float | None = None  # seconds per drafted token
@@ -53,8 +54,10 @@ class SpecController:
             return 0
         if not self.adaptive:
             return self.k_max
-        if self.steps == 2 and self.t_plain is None:
-            return 0  # one early plain step measures what speculation must beat
+        if self.t_plain is None:
+            return 0  # the first step is plain: it measures what speculation must beat
+        if self.hopeless():
+            return 0
         if self.switched_off:
             if self.off_steps < self.probe_every or self.hopeless():
                 self.off_steps += 1
@@ -74,6 +77,12 @@ class SpecController:
             self.probing, self.probe_every = False, self.min_probe_every
         return k
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The prompt's prefill, timed: its cost per token is the slope of verification cost in k
+        before any verification ran (flat where matrix units batch tokens, a whole step where not)."""
+        if tokens >= 8:
+            self.prefill_per_token = seconds / tokens
+
     def _t_verify(self, k: int) -> float | None:
         """Measured, or interpolated on the line through the plain step (k = 0) and the nearest
         measured k: on a GPU the line is nearly flat, on a CPU without bf16 matrix units it climbs
@@ -81,6 +90,8 @@ class SpecController:
         if k in self.t_verify:
             return self.t_verify[k]
         if not self.t_verify:
+            if self.t_plain is not None and self.prefill_per_token is not None:
+                return self.t_plain + k * min(self.prefill_per_token, self.t_plain)
             return self.t_plain
         nearest = min(self.t_verify, key=lambda j: abs(j - k))
         if self.t_plain is None:
@@ -90,9 +101,10 @@ class SpecController:
 
     def hopeless(self) -> bool:
         """Even if every drafted token were accepted, speculation would not beat plain decoding."""
-        if self.t_plain is None or self.t_draft is None or not self.t_verify:
+        if self.t_plain is None or (not self.t_verify and self.prefill_per_token is None):
             return False
-        best = max((k + 1) / (k * self.t_draft + (self._t_verify(k) or 0.0)) for k in range(1, self.k_max + 1))
+        t_draft = self.t_draft or 0.0  # not measured yet: assume drafting were free
+        best = max((k + 1) / (k * t_draft + (self._t_verify(k) or 0.0)) for k in range(1, self.k_max + 1))
         return best * self.min_speedup < 1.0 / self.t_plain
 
     def _best_k(self) -> tuple[int, float]:

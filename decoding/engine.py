@@ -183,10 +183,9 @@ class Engine:
             t0 = time.perf_counter()
             if len(seq.tokens) > 1:
                 seq.runner.forward(seq.tokens[:-1], logits=False)
-                if seq.drafter is not None:
-                    seq.drafter.catch_up(seq.tokens)
             seq.stats.prefill_s = time.perf_counter() - t0
-            seq.prefilled = True
+            seq.controller.observe_prefill(len(seq.tokens) - 1, seq.stats.prefill_s)
+            seq.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
 
         k = seq.controller.choose_k()
         remaining = params.max_tokens - seq.completion_tokens
