@@ -34,6 +34,9 @@ class SpecController:
     max_probe_every: int = 128
     probing: bool = False
     prefill_per_token: float | None = None
+    # not worth even trying when free drafts, all accepted, would gain less than this (a probe's
+    # draft prefill and its first verification cost more than such a gain could return)
+    hopeless_margin: float = 1.1
     accepted_w: float = 1.0  # decayed counts behind the acceptance estimate (a prior of a = 0.5)
     rejected_w: float = 1.0
     t_draft: float | None = None  # seconds per drafted token
@@ -105,7 +108,7 @@ class SpecController:
             return False
         t_draft = self.t_draft or 0.0  # not measured yet: assume drafting were free
         best = max((k + 1) / (k * t_draft + (self._t_verify(k) or 0.0)) for k in range(1, self.k_max + 1))
-        return best * self.min_speedup < 1.0 / self.t_plain
+        return best < self.hopeless_margin / self.t_plain
 
     def _best_k(self) -> tuple[int, float]:
         if self.t_draft is None:
