@@ -29,11 +29,19 @@ def test_cheap_draft_high_acceptance_climbs_to_k_max():
     assert 0 not in ks[5:]
 
 
-def test_draft_as_costly_as_target_switches_speculation_off_then_probes():
-    c = SpecController(k_max=8, probe_every=4)
-    ks = drive(c, 30, accept_all=False, t_draft=0.1, t_target=0.1)
+def test_rejected_drafts_switch_speculation_off_then_probes():
+    # a cheap draft that is never accepted: off, but full acceptance would pay, so it keeps probing
+    c = SpecController(k_max=8, probe_every=4, min_probe_every=4)
+    ks = drive(c, 30, accept_all=False, t_draft=0.02, t_target=0.1)
     assert ks[10:].count(0) > len(ks[10:]) * 0.6
     assert any(k > 0 for k in ks[10:])  # it keeps probing in case acceptance improves
+
+
+def test_draft_as_costly_as_target_is_hopeless():
+    c = SpecController(k_max=8)
+    ks = drive(c, 30, accept_all=True, t_draft=0.1, t_target=0.1)
+    assert c.hopeless()
+    assert ks[5:].count(0) == 25
 
 
 def test_fixed_k_and_off():
