@@ -37,6 +37,7 @@ class SpecController:
     # not worth even trying when free drafts, all accepted, would gain less than this (a probe's
     # draft prefill and its first verification cost more than such a gain could return)
     hopeless_margin: float = 1.1
+    remeasure_every: int = 32  # while speculating, one plain step in this many
     accepted_w: float = 1.0  # decayed counts behind the acceptance estimate (a prior of a = 0.5)
     rejected_w: float = 1.0
     t_draft: float | None = None  # seconds per drafted token
@@ -68,6 +69,8 @@ class SpecController:
             self.switched_off, self.off_steps = False, 0
             self.probing = True
             return self._best_k()[0]  # probe: measure speculation again
+        if self.steps % self.remeasure_every == 0:
+            return 0  # refresh the plain-step time: one noisy sample must not keep speculation on
         k, rate = self._best_k()
         if self.t_plain is not None and rate * self.min_speedup < 1.0 / self.t_plain and self.t_draft is not None:
             # a probe that failed doubles the wait before the next one: where speculation does not
