@@ -38,6 +38,8 @@ class SpecController:
     # draft prefill and its first verification cost more than such a gain could return)
     hopeless_margin: float = 1.1
     remeasure_every: int = 32  # while speculating, one plain step in this many
+    draft_cost_prior: float = 0.0  # c before it is measured: draft / target parameters (0: prompt lookup)
+    prior_acceptance: float = 0.8
     accepted_w: float = 1.0  # decayed counts behind the acceptance estimate (a prior of a = 0.5)
     rejected_w: float = 1.0
     t_draft: float | None = None  # seconds per drafted token
@@ -106,11 +108,18 @@ class SpecController:
         return self.t_plain + slope * k
 
     def hopeless(self) -> bool:
-        """Even if every drafted token were accepted, speculation would not beat plain decoding."""
+        """Speculation cannot beat plain decoding here: once measured, not even with every draft
+        accepted; before the first draft (whose prefill is itself a cost), not at a typical
+        acceptance with the draft costing its share of the target's parameters."""
         if self.t_plain is None or (not self.t_verify and self.prefill_per_token is None):
             return False
-        t_draft = self.t_draft or 0.0  # not measured yet: assume drafting were free
-        best = max((k + 1) / (k * t_draft + (self._t_verify(k) or 0.0)) for k in range(1, self.k_max + 1))
+        if self.t_draft is None:
+            a, t_draft = self.prior_acceptance, self.draft_cost_prior * self.t_plain
+        else:
+            a, t_draft = 1.0, self.t_draft
+        best = max(
+            expected_tokens(a, k) / (k * t_draft + (self._t_verify(k) or 0.0)) for k in range(1, self.k_max + 1)
+        )
         return best < self.hopeless_margin / self.t_plain
 
     def _best_k(self) -> tuple[int, float]:

@@ -8,6 +8,7 @@ step is the same with k = 0.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @functools.cached_property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
 
     @property
     def vocab_size(self) -> int:
@@ -147,6 +152,7 @@ class Engine:
             k_max=request.spec.max_k,
             adaptive=request.spec.adaptive and not seeded_sampling,
             speculate=drafter is not None,
+            draft_cost_prior=self._draft_cost_prior(target, drafter),
         )
         seq = Sequence(
             request=request,
@@ -161,6 +167,13 @@ class Engine:
         seq.stats.prompt_tokens = len(request.prompt_token_ids)
         seq.stats.drafter = drafter.name if drafter else "none"
         return seq
+
+    def _draft_cost_prior(self, target: LoadedModel, drafter: Drafter | None) -> float:
+        """Memory-bound decoding reads every weight once a step, so a draft step costs about its
+        share of the target's parameters (a floor: small models also pay per-kernel overheads)."""
+        if not isinstance(drafter, DraftModelDrafter) or target.draft is None:
+            return 0.0
+        return self.model(target.draft).n_params / target.n_params
 
     def _drafter(self, target: LoadedModel, request: GenerationRequest) -> Drafter | None:
         mode = request.spec.mode

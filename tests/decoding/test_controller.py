@@ -66,3 +66,23 @@ def test_flat_verification_with_a_cheap_draft_is_not_hopeless():
     c = SpecController(k_max=8)
     drive(c, 10, accept_all=True, t_draft=0.01, t_target=0.1)
     assert not c.hopeless()
+
+
+def test_before_drafting_a_cpu_without_matrix_units_is_judged_hopeless_from_prefill():
+    """Prefill at half a step per token and a draft a third of the target: at a typical acceptance
+    no k pays, so the request never prefills the draft (a real cost on such a CPU)."""
+    c = SpecController(k_max=8, draft_cost_prior=0.35)
+    c.observe_prefill(100, 100 * 0.1)
+    assert c.choose_k() == 0
+    c.observe(0, 0, 0.0, 0.186)
+    assert c.hopeless()
+    assert c.choose_k() == 0
+
+
+def test_before_drafting_a_gpu_like_profile_speculates():
+    c = SpecController(k_max=8, draft_cost_prior=0.07)
+    c.observe_prefill(128, 0.0002 * 128)
+    assert c.choose_k() == 0
+    c.observe(0, 0, 0.0, 0.0068)
+    assert not c.hopeless()
+    assert c.choose_k() > 0
