@@ -30,5 +30,5 @@ print("HF     block-vs-seq argmax agree", a, "maxdiff", d, "margins", [round(x, 
 for graphs in (False, True):
     sm = StaticModel(m, 512, slots=1, graphs=graphs)
     a, d, margins, blk = seq_vs_block(sm.runner())
-    print("static graphs=%s block-vs-seq agree" % graphs, a, "maxdiff", d, "| vs HF block maxdiff", (blk - hf_block).abs().max().item(),
+    print(f"static graphs={graphs} block-vs-seq agree", a, "maxdiff", d, "| vs HF block maxdiff", (blk - hf_block).abs().max().item(),
           "argmax eq HF", (blk.argmax(-1) == hf_block.argmax(-1)).float().mean().item())
