@@ -1,7 +1,7 @@
 # specgate: every target is idempotent from a fresh clone.
 #   make serve   set up, pull + verify the default models, serve on 127.0.0.1:8000
 #   make test    set up, pull the models for the slow tests, start redis if needed, run every test
-#   make bench   set up and run the CPU benchmarks (GPU ones: see bench/README.md)
+#   make bench   set up and run the CPU benchmark on the real pair (GPU: python -m bench.gpu, see docs/benchmarks.md)
 
 PYTHON     ?= python3
 VENV       ?= .venv
