@@ -263,7 +263,9 @@ def create_app(
         metrics=obs.metrics,
     )
     state.router = routing = RoutingService(settings)  # router/: tiers, strategy, upstreams; raises on bad config
-    state.cache = GatewayCache.from_settings(settings.cache)  # in-process, or Redis when configured
+    state.cache = GatewayCache.from_settings(  # in-process, or Redis when configured
+        settings.cache, metrics=obs.metrics, tracer=obs.tracing.tracer
+    )
     if engine is not None:
         state.backend = LocalBackend(obs.observe_engine(engine), settings.limits.default_max_tokens)
 

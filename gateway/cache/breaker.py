@@ -3,6 +3,7 @@
 closed --(``failures`` in a row)--> open --(``cooldown_s``)--> half-open --(probe ok)--> closed
                                       ^------------------(probe fails)-------------'
 While open, calls are refused at once. Half-open lets exactly one call through as a probe.
+``on_change`` hears every transition (the gateway sets the ``specgate_circuit_state`` gauge from it).
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ State = Literal["closed", "open", "half_open"]
 
 
 class CircuitBreaker:
-    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        failures: int,
+        cooldown_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[State], None] | None = None,
+    ):
         self.failures_to_open = failures
         self.cooldown_s = cooldown_s
         self.clock = clock
+        self.on_change = on_change
         self.state: State = "closed"
         self.failures = 0
         self.opened_at = 0.0
@@ -31,14 +39,15 @@ class CircuitBreaker:
         if self.state == "closed":
             return True
         if self.state == "open" and self.clock() - self.opened_at >= self.cooldown_s:
-            self.state = "half_open"  # this caller is the probe; others stay refused until it reports
+            self._enter("half_open")  # this caller is the probe; others stay refused until it reports
             return True
         return False
 
     def success(self) -> None:
         if self.state != "closed":
             log.info("cache: Redis reachable again, circuit closed")
-        self.state, self.failures = "closed", 0
+        self.failures = 0
+        self._enter("closed")
 
     def failure(self) -> None:
         self.failures += 1
@@ -50,4 +59,11 @@ class CircuitBreaker:
                     self.cooldown_s,
                 )
                 self.times_opened += 1
-            self.state, self.opened_at = "open", self.clock()
+            self.opened_at = self.clock()
+            self._enter("open")
+
+    def _enter(self, state: State) -> None:
+        if state != self.state:
+            self.state = state
+            if self.on_change is not None:
+                self.on_change(state)

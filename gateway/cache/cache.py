@@ -2,6 +2,13 @@
 
 It never raises into the request path: any backend or embedder failure is logged, counted, and
 answered as a miss (lookup) or a skipped write (store).
+
+Observed through ``metrics`` (``gateway.observability.Metrics``) and ``tracer``, both optional. Each
+tier a lookup consults is counted once, so ``tier="exact"`` counts every lookup and a paraphrase hit
+counts as ``exact/miss`` plus ``semantic/hit``; the semantic tier is not counted when it does not
+apply (long or tool prompt, embedder not loaded). A skipped lookup is ``exact/skip``; a failure
+(Redis down, circuit open) is ``<tier being consulted>/error``. One ``specgate.cache.lookup`` span per
+lookup says tier, outcome and similarity, never the prompt.
 """
 
 from __future__ import annotations
@@ -12,9 +19,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
 
 from gateway.cache import guard
 from gateway.cache.backend import Backend, MemoryBackend, SemanticPart
@@ -29,18 +38,35 @@ log = logging.getLogger("specgate.cache")
 EMBED_DIM = 384  # all-MiniLM-L6-v2
 
 
+class CacheMetrics(Protocol):
+    """What the cache reports (``gateway.observability.Metrics`` implements it)."""
+
+    def observe_cache(self, tier: str, outcome: str, seconds: float | None = None) -> None: ...
+
+    def observe_redis_error(self, op: str) -> None: ...
+
+    def set_circuit_state(self, component: str, state: str) -> None: ...
+
+
 class ResponseCache:
     def __init__(
         self,
         settings: CacheSettings,
         backend: Backend | None = None,
         embedder: Embedder | None = None,
+        metrics: CacheMetrics | None = None,
+        tracer: trace.Tracer | None = None,
     ):
         self.settings = settings
+        self.metrics = metrics
+        self.tracer = tracer or trace.NoOpTracer()
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
         if backend is None:
             backend = self._default_backend(settings)
         self.backend = backend
+        if metrics is not None and self.kind == "redis":
+            self.breaker.on_change = lambda state: metrics.set_circuit_state("redis", state)
+            metrics.set_circuit_state("redis", self.breaker.state)
         self.embedder: Embedder | None = embedder
         if embedder is None and settings.semantic:
             self.embedder = SentenceEmbedder(settings.embedder_model, settings.embedder_threads)
@@ -53,8 +79,14 @@ class ResponseCache:
             return MemoryBackend(s.lru_size)
         from gateway.cache.redis_backend import RedisBackend
 
+        on_error = self.metrics.observe_redis_error if self.metrics is not None else None
         return RedisBackend(
-            s.redis_url, s.key_prefix, s.timeout_ms / 1000, s.connect_timeout_ms / 1000, self.breaker
+            s.redis_url,
+            s.key_prefix,
+            s.timeout_ms / 1000,
+            s.connect_timeout_ms / 1000,
+            self.breaker,
+            on_error,
         )
 
     @property
@@ -105,25 +137,48 @@ class ResponseCache:
 
     # ---- lookup ---------------------------------------------------------------------------------
 
-    async def lookup(self, q: CacheQuery) -> CacheHit | None:
-        if not self.settings.enabled or q.controls.no_cache:
-            return None
-        try:
-            hit = await self._lookup(q)
-        except Exception as exc:  # fail open: the request is served uncached
-            self.stats["errors"] += 1
-            log.debug("cache lookup failed open: %s", exc)
-            hit = None
-        self.stats[hit.tier if hit else "misses"] += 1
-        return hit
+    async def lookup(self, q: CacheQuery | None) -> CacheHit | None:
+        """``q=None``: the gateway leaves this request out of the cache (counted as skipped)."""
+        with self.tracer.start_as_current_span("specgate.cache.lookup") as span:
+            if q is None or not self.settings.enabled or q.controls.no_cache:
+                self._observe(span, "exact", "skip")
+                return None
+            tier, t0 = "exact", time.perf_counter()
+            try:
+                hit = await self._exact(q)
+                if hit is None:
+                    self._observe(span, tier, "miss", t0)
+                    tier, t0 = "semantic", time.perf_counter()
+                    vec = await self._embed(q)
+                    if vec is None:  # the semantic tier does not apply: the exact miss stands
+                        self.stats["misses"] += 1
+                        return None
+                    hit = await self._semantic(q, vec)
+            except Exception as exc:  # fail open: the request is served uncached
+                self.stats["errors"] += 1
+                log.debug("cache lookup failed open: %s", exc)
+                self._observe(span, tier, "error", t0)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                hit = None
+            else:
+                self._observe(span, tier, "hit" if hit else "miss", t0)
+                if hit is not None:
+                    span.set_attribute("specgate.cache.similarity", round(hit.similarity, 4))
+            self.stats[hit.tier if hit else "misses"] += 1
+            return hit
 
-    async def _lookup(self, q: CacheQuery) -> CacheHit | None:
+    def _observe(self, span: Span, tier: str, outcome: str, t0: float | None = None) -> None:
+        """One tier's outcome; the span keeps the last (the tier that answered or failed)."""
+        if self.metrics is not None:
+            seconds = None if t0 is None else time.perf_counter() - t0
+            self.metrics.observe_cache(tier, outcome, seconds)
+        span.set_attributes({"specgate.cache.tier": tier, "specgate.cache.outcome": outcome})
+
+    async def _exact(self, q: CacheQuery) -> CacheHit | None:
         blob = await self.backend.get(q.tenant_tag, q.exact_key)
-        if blob is not None:
-            return CacheHit("exact", 1.0, CachedResponse.from_bytes(blob))
-        vec = await self._embed(q)
-        if vec is None:
-            return None
+        return CacheHit("exact", 1.0, CachedResponse.from_bytes(blob)) if blob is not None else None
+
+    async def _semantic(self, q: CacheQuery, vec: np.ndarray) -> CacheHit | None:
         want = guard.features(q.semantic_text or "")
         cands = await self.backend.candidates(
             q.tenant_tag, self._scope(q), self.lsh.signatures(vec), self.settings.lsh_bucket_limit

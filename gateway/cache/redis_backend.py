@@ -12,7 +12,9 @@ trimmed by score on every write and skipped on read, so nothing ever scans all e
 
 Fail open: redis-py's own retries are off (they would multiply the 50 ms budget), each operation
 runs under ``timeout``, and the breaker turns a dead server into immediate misses. Every failure
-surfaces as ``CacheUnavailable``; the cache turns that into a miss or a skipped write.
+surfaces as ``CacheUnavailable``; the cache turns that into a miss or a skipped write. A failed
+command (not a refusal by the open circuit) is also reported to ``on_error`` with its operation:
+``get``, ``search`` (semantic candidates) or ``set`` (a write, eviction included).
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ class RedisBackend:
         timeout_s: float,
         connect_timeout_s: float,
         breaker: CircuitBreaker,
+        on_error: Callable[[str], None] | None = None,
     ):
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.breaker = breaker
+        self.on_error = on_error
         self.client = aioredis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -61,20 +65,22 @@ class RedisBackend:
     def _k(self, tag: str, *parts: str) -> str:
         return ":".join((self.prefix, "{" + tag + "}", *parts))
 
-    async def _guarded(self, op: Callable[[], Awaitable[T]]) -> T:
+    async def _guarded(self, name: str, op: Callable[[], Awaitable[T]]) -> T:
         if not self.breaker.allow():
             raise CacheUnavailable("circuit open")
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await op()
         except (RedisError, OSError, TimeoutError) as exc:
+            if self.on_error is not None:
+                self.on_error(name)
             self.breaker.failure()
             raise CacheUnavailable(f"{type(exc).__name__}: {exc}") from exc
         self.breaker.success()
         return result
 
     async def get(self, tag: str, key: str) -> bytes | None:
-        blob = await self._guarded(lambda: self.client.hget(self._k(tag, "e", key), "r"))
+        blob = await self._guarded("get", lambda: self.client.hget(self._k(tag, "e", key), "r"))
         return blob if isinstance(blob, bytes) else None  # decode_responses is off: bytes or None
 
     async def candidates(self, tag: str, scope: str, signatures: list[str], limit: int) -> list[Candidate]:
@@ -100,7 +106,7 @@ class RedisBackend:
                 if v is not None and g is not None
             ]
 
-        return await self._guarded(read)
+        return await self._guarded("search", read)
 
     async def put(
         self, tag: str, key: str, blob: bytes, ttl_s: int, cap: int, semantic: SemanticPart | None
@@ -136,7 +142,7 @@ class RedisBackend:
                 if evicted:
                     await self.client.delete(*(self._k(tag, "e", k.decode()) for k, _ in evicted))
 
-        await self._guarded(write)
+        await self._guarded("set", write)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -10,7 +10,8 @@ limiter and usage metrics see it like any other response. serving.py calls::
     ...                                                             # after the last delta, not on error/disconnect:
     c.store(fmt, gen)
 
-``SPECGATE_REDIS_URL`` is honoured here as an alias of ``SPECGATE_CACHE__REDIS_URL``.
+``SPECGATE_REDIS_URL`` is honoured here as an alias of ``SPECGATE_CACHE__REDIS_URL``. The app passes
+its ``Metrics`` and tracer to ``from_settings``; every lookup, skipped ones included, is observed.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from opentelemetry import trace
+
 from gateway.backends import Delta, Generation, Job
-from gateway.cache.cache import ResponseCache
+from gateway.cache.cache import CacheMetrics, ResponseCache
 from gateway.cache.query import CacheControlError, CacheQuery
 from gateway.cache.response import CachedChoice, CachedResponse, CacheHit, header_value
 from gateway.cache.settings import CacheSettings
@@ -94,14 +97,18 @@ class GatewayCache:
 
     @classmethod
     def from_settings(
-        cls, settings: CacheSettings, env: Mapping[str, str] | None = None
+        cls,
+        settings: CacheSettings,
+        env: Mapping[str, str] | None = None,
+        metrics: CacheMetrics | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> GatewayCache | None:
         if not settings.enabled:
             return None
         url = (os.environ if env is None else env).get("SPECGATE_REDIS_URL")
         if url is not None and settings.redis_url is None:
             settings = CacheSettings.model_validate({**settings.model_dump(), "redis_url": url})
-        return cls(ResponseCache(settings))
+        return cls(ResponseCache(settings, metrics=metrics, tracer=tracer))
 
     async def start(self) -> None:
         await self.cache.start()
@@ -118,15 +125,14 @@ class GatewayCache:
         extra = {"cache": body.get("cache")} if isinstance(body, dict) else {}
         if job.echo or job.logprobs is not None:
             # echo needs the prompt text and logprobs are not stored: neither can be replayed
-            return CacheLookup(self.cache, None, None)
+            return CacheLookup(self.cache, None, await self.cache.lookup(None))  # counted as skipped
         try:
             q = self.cache.query(
                 {**job_body(job), **extra}, tenant=job.tenant, endpoint=_endpoint(job), headers=headers
             )
         except CacheControlError as exc:
             raise bad_request(str(exc), param="cache") from exc
-        hit = await self.cache.lookup(q) if q is not None else None
-        return CacheLookup(self.cache, q, hit)
+        return CacheLookup(self.cache, q, await self.cache.lookup(q))  # q None: skipped
 
 
 def _endpoint(job: Job) -> Any:
