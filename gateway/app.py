@@ -262,7 +262,7 @@ def create_app(
         registry=obs.metrics.registry,
         metrics=obs.metrics,
     )
-    state.router = routing = RoutingService(settings)  # router/: tiers, strategy, upstreams; raises on bad config
+    state.router = routing = RoutingService(settings, obs)  # router/: tiers, strategy, upstreams; raises on bad config
     state.cache = GatewayCache.from_settings(  # in-process, or Redis when configured
         settings.cache, metrics=obs.metrics, tracer=obs.tracing.tracer
     )

@@ -8,6 +8,10 @@
 Fallback happens only inside `start`, before serving sends a byte; the `x-specgate-route` header
 then names the route that actually served. Upstream exceptions become `APIError`s in `api_error`
 and nowhere else; an upstream's in-band `{"error": ...}` event ends our stream with that same error.
+
+Observed (with the app's `Observability`): `observe_route` once per decision (the router's pick,
+before any fallback), `observe_fallback` per step down the chain; the upstream clients report their
+own calls and get a CLIENT span each (see router/upstream.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decoding.errors import EngineOverloaded, EngineStopped
 from gateway.backends import Backend, Delta, Generation, Job, LogprobEntry, Route
@@ -25,6 +29,9 @@ from router.config import RouterSettings, TierSettings
 from router.policy import BackendKind, RouteDecision, Router
 from router.pool import UpstreamPool, first_available
 from router.upstream import UpstreamClient, UpstreamError, UpstreamStream, UpstreamUnavailable
+
+if TYPE_CHECKING:
+    from gateway.observability import Metrics, Observability
 
 log = logging.getLogger("specgate.router")
 
@@ -146,16 +153,21 @@ class RoutedBackend:
 
     name = "routed"
 
-    def __init__(self, attempts: list[tuple[RouteDecision, Backend | None, Job]]):
+    def __init__(
+        self, attempts: list[tuple[RouteDecision, Backend | None, Job]], metrics: Metrics | None = None
+    ):
         self.attempts = attempts
+        self.metrics = metrics
         self.route: Route | None = None  # set by RoutingService; its label is rewritten on fallback
 
     def model_ids(self) -> list[str]:
         return [d.model for d, _, _ in self.attempts]
 
     async def start(self, job: Job) -> Generation:
-        def opener(backend: Backend | None, j: Job) -> Any:
+        def opener(i: int, backend: Backend | None, j: Job) -> Any:
             async def open_() -> Generation:
+                if i > 0 and self.metrics is not None:  # attempt i-1 failed before the first byte
+                    self.metrics.observe_fallback(self.attempts[i - 1][0].tier, self.attempts[i][0].tier)
                 if backend is None:
                     raise _Loading("The models are still loading; retry shortly.")
                 return await backend.start(j)
@@ -164,7 +176,7 @@ class RoutedBackend:
 
         try:
             decision, gen = await first_available(
-                [(d, opener(b, j)) for d, b, j in self.attempts],
+                [(d, opener(i, b, j)) for i, (d, b, j) in enumerate(self.attempts)],
                 fallback_on=(UpstreamUnavailable, EngineOverloaded, EngineStopped, _Loading),
             )
         except UpstreamError as exc:
@@ -179,7 +191,7 @@ class RoutedBackend:
 class RoutingService:
     """`state.router`: built once at start from the gateway's settings."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, obs: Observability | None = None):
         models = {m.name: m.draft for m in settings.models}
         rs = settings.router
         try:
@@ -192,7 +204,9 @@ class RoutingService:
             log.info("router: default tiers need %s; routing `auto` to %s", sorted(models), first)
             rs = rs.model_copy(update={"tiers": [TierSettings(name="default", model=first)]})
             self.router = Router(RouterSettings.model_validate(rs.model_dump()), settings.upstreams, models)
-        self.pool = UpstreamPool(self.router.upstreams.values())
+        self.metrics = obs.metrics if obs is not None else None
+        instrument = obs.tracing.instrument_httpx if obs is not None else None
+        self.pool = UpstreamPool(self.router.upstreams.values(), metrics=self.metrics, instrument=instrument)
         self.remotes = {name: RemoteBackend(client) for name, client in self.pool.clients.items()}
 
     async def aclose(self) -> None:
@@ -209,10 +223,12 @@ class RoutingService:
         prompt = None if job.kind == "chat" else " ".join(p for p in job.prompts or [] if isinstance(p, str))
         override = {"mode": job.spec.mode.value, "max_k": job.spec.max_k}  # AUTO: the router's pick
         d = self.router.route(job.model, messages, prompt, job.max_tokens, job.temperature, override)
+        if self.metrics is not None:
+            self.metrics.observe_route(d.tier, d.strategy.value, d.elapsed_us / 1e6)
         attempts: list[tuple[RouteDecision, Backend | None, Job]] = [
             (x, self.remotes[x.upstream] if x.upstream is not None else local, self._job(job, x))
             for x in (d, *d.fallbacks)
         ]
-        backend = RoutedBackend(attempts)
+        backend = RoutedBackend(attempts, self.metrics)
         backend.route = Route(backend, attempts[0][2], d.header_value())
         return backend.route

@@ -14,7 +14,7 @@ from typing import TypeVar
 import httpx
 
 from router.config import UpstreamSettings
-from router.upstream import UpstreamClient, UpstreamUnavailable
+from router.upstream import UpstreamClient, UpstreamMetrics, UpstreamUnavailable
 
 log = logging.getLogger("specgate.router")
 
@@ -23,8 +23,14 @@ R = TypeVar("R")  # what an attempt opens
 
 
 class UpstreamPool:
-    def __init__(self, upstreams: Iterable[UpstreamSettings], transport: httpx.AsyncBaseTransport | None = None):
-        self.clients = {u.name: UpstreamClient(u, transport) for u in upstreams}
+    def __init__(
+        self,
+        upstreams: Iterable[UpstreamSettings],
+        transport: httpx.AsyncBaseTransport | None = None,
+        metrics: UpstreamMetrics | None = None,
+        instrument: Callable[[httpx.AsyncClient], None] | None = None,
+    ):
+        self.clients = {u.name: UpstreamClient(u, transport, metrics, instrument) for u in upstreams}
 
     def __getitem__(self, name: str) -> UpstreamClient:
         return self.clients[name]

@@ -19,6 +19,12 @@ Exceptions (every httpx exception is translated in `_translated`, nowhere else):
 
 Deliberate: an in-band `{"error": ...}` event from the upstream is yielded like a chunk, not raised:
 it is the upstream's answer and the client should see it (issue 4).
+
+Observed through an optional `UpstreamMetrics` (gateway.observability.Metrics): one `observe_upstream`
+per attempt, by the exception's `outcome` (a stream's when it ends, so its latency runs to the last
+byte), one `observe_upstream_retry` per retry, and the breaker's state after each. `instrument` is
+called once on the httpx client (gateway.observability.Tracing.instrument_httpx: a CLIENT span per
+call, whose `traceparent` replaces the forwarded one: same trace, with this call as the parent).
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import contextlib
 import json
 import os
 import random
-from collections.abc import AsyncIterator, Iterator, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -45,12 +52,21 @@ def _error_obj(message: str, type_: str, code: str | None = None, param: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class UpstreamMetrics(Protocol):
+    def observe_upstream(self, upstream: str, outcome: str, seconds: float | None = None) -> None: ...
+
+    def observe_upstream_retry(self, upstream: str, reason: str) -> None: ...
+
+    def set_circuit_state(self, component: str, state: str) -> None: ...
+
+
 class UpstreamError(Exception):
     status = 502
     code = "upstream_error"
     type_ = "server_error"
     retryable = False
     breaker_failure = True  # does it count against the upstream's circuit breaker
+    outcome = "error"  # the specgate_upstream_requests label
 
     def __init__(self, upstream: str, message: str, retry_after: float | None = None):
         super().__init__(f"upstream '{upstream}': {message}")
@@ -73,6 +89,7 @@ class UpstreamConnectError(UpstreamUnavailable):
 class UpstreamTimeout(UpstreamUnavailable):
     status = 504
     code = "upstream_timeout"
+    outcome = "timeout"
 
 
 class UpstreamHTTPError(UpstreamUnavailable):
@@ -81,6 +98,7 @@ class UpstreamHTTPError(UpstreamUnavailable):
     def __init__(self, upstream: str, upstream_status: int, message: str, retry_after: float | None = None):
         super().__init__(upstream, f"HTTP {upstream_status}: {message}", retry_after)
         self.upstream_status = upstream_status
+        self.outcome = "http_4xx" if upstream_status < 500 else "http_5xx"
         if upstream_status == 429:
             # The upstream is alive, only busy: pass the rate limit on without tripping the breaker.
             self.status, self.code, self.type_, self.breaker_failure = 429, "rate_limit_exceeded", "rate_limit_error", False
@@ -96,10 +114,12 @@ class UpstreamBadResponse(UpstreamUnavailable):
 class CircuitOpen(UpstreamUnavailable):
     code = "upstream_circuit_open"
     breaker_failure = False
+    outcome = "circuit_open"
 
 
 class UpstreamRejected(UpstreamError):
     breaker_failure = False
+    outcome = "http_4xx"
 
     def __init__(self, upstream: str, status: int, body: dict[str, Any]):
         super().__init__(upstream, str(body["error"].get("message")))
@@ -129,6 +149,13 @@ def _translated(name: str) -> Iterator[None]:
         raise UpstreamBadResponse(name, f"{type(exc).__name__}: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise UpstreamBadResponse(name, f"invalid JSON ({exc.msg})") from exc
+
+
+def _retry_reason(exc: UpstreamError) -> str:
+    """The specgate_upstream_retries label of a retryable error."""
+    if isinstance(exc, UpstreamHTTPError):
+        return "http_429" if exc.upstream_status == 429 else "http_5xx"
+    return "connect"
 
 
 def normalise_error(payload: Any, status: int) -> dict[str, Any]:
@@ -188,11 +215,13 @@ class Rewrite:
 class UpstreamStream:
     """The upstream's SSE as chunk dicts. Made by `UpstreamClient.open_stream`, first event in hand."""
 
-    def __init__(self, client: UpstreamClient, resp: httpx.Response, rewrite: Rewrite):
+    def __init__(self, client: UpstreamClient, resp: httpx.Response, rewrite: Rewrite, started: float):
         self._client, self._resp, self._rewrite = client, resp, rewrite
         self._lines = resp.aiter_lines()  # decodes UTF-8 incrementally: split characters are safe
         self._first: dict[str, Any] | None = None
         self._done = False
+        self._started = started  # perf_counter when the request was sent
+        self._outcome: str | None = "ok"  # observed when the stream closes; None once observed
         self.status_code = resp.status_code
 
     async def _next_event(self) -> dict[str, Any] | None:
@@ -239,6 +268,7 @@ class UpstreamStream:
                         event = await self._next_event()
                 except UpstreamError as exc:
                     self._client.breaker.record_failure()
+                    self._outcome = UpstreamStreamBroken.outcome
                     raise UpstreamStreamBroken(self._client.name, f"stream broke after it started: {exc}") from exc
                 if event is None:
                     self._done = True
@@ -250,12 +280,22 @@ class UpstreamStream:
     async def aclose(self) -> None:
         """Close the upstream connection (the client left, or the stream ended)."""
         await self._resp.aclose()
+        if self._outcome is not None:
+            self._client._observe(self._outcome, self._started)
+            self._outcome = None
 
 
 class UpstreamClient:
-    def __init__(self, settings: UpstreamSettings, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        settings: UpstreamSettings,
+        transport: httpx.AsyncBaseTransport | None = None,
+        metrics: UpstreamMetrics | None = None,
+        instrument: Callable[[httpx.AsyncClient], None] | None = None,
+    ):
         self.settings = settings
         self.name = settings.name
+        self.metrics = metrics
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         headers = {"content-type": "application/json"}
         if settings.api_key_env is not None:
@@ -266,6 +306,8 @@ class UpstreamClient:
         timeout = httpx.Timeout(settings.timeout_s, connect=min(5.0, settings.timeout_s))
         self._http = httpx.AsyncClient(base_url=settings.base_url.rstrip("/") + "/", timeout=timeout,
                                        headers=headers, transport=transport)  # fmt: skip
+        if instrument is not None:
+            instrument(self._http)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -298,26 +340,40 @@ class UpstreamClient:
         # Exponential backoff with jitter, so retrying gateways do not stampede a recovering upstream.
         return self.settings.backoff_s * (2**attempt) * random.uniform(0.5, 1.0)
 
+    def _observe(self, outcome: str, started: float | None = None) -> None:
+        """One call's outcome and latency, and the breaker's state after it."""
+        if self.metrics is not None:
+            seconds = None if started is None else time.perf_counter() - started
+            self.metrics.observe_upstream(self.name, outcome, seconds)
+            self.metrics.set_circuit_state(self.name, self.breaker.state.value)
+
     async def _attempts(self, once: Any) -> Any:
-        """Run `once()` under the breaker, retrying what may be retried, with backoff."""
+        """Run `once(started)` under the breaker, retrying what may be retried, with backoff."""
         last: UpstreamError | None = None
         for attempt in range(self.settings.retries + 1):
             if not self.breaker.allow():
+                self._observe(CircuitOpen.outcome)
                 raise CircuitOpen(self.name, "circuit open after repeated failures",
                                   retry_after=self.breaker.retry_after()) from last  # fmt: skip
+            started = time.perf_counter()
             try:
-                result = await once()
+                result = await once(started)
             except UpstreamError as exc:
                 if exc.breaker_failure:
                     self.breaker.record_failure()
                 elif not isinstance(exc, UpstreamHTTPError):
                     self.breaker.record_success()  # a 4xx: the upstream is up and answering
+                self._observe(exc.outcome, started)
                 if not exc.retryable or attempt == self.settings.retries:
                     raise
+                if self.metrics is not None:
+                    self.metrics.observe_upstream_retry(self.name, _retry_reason(exc))
                 last = exc
                 await asyncio.sleep(self._delay(attempt, exc))
                 continue
             self.breaker.record_success()
+            if not isinstance(result, UpstreamStream):  # a stream is observed when it closes
+                self._observe("ok", started)
             return result
         raise AssertionError("unreachable")
 
@@ -327,12 +383,12 @@ class UpstreamClient:
         """Send a streaming request and read its first event. Raises `UpstreamUnavailable` (fall back)
         or `UpstreamRejected` (pass on); after it returns nothing has reached the client yet."""
 
-        async def once() -> UpstreamStream:
+        async def once(started: float) -> UpstreamStream:
             with _translated(self.name):
                 resp = await self._http.send(self._request(path, body, headers, True), stream=True)
                 if resp.status_code != 200:
                     raise await self._status_error(resp)
-            stream = UpstreamStream(self, resp, rewrite or Rewrite())
+            stream = UpstreamStream(self, resp, rewrite or Rewrite(), started)
             try:
                 await stream._peek()
             except BaseException:
@@ -348,7 +404,7 @@ class UpstreamClient:
     ) -> dict[str, Any]:
         """A non-streaming call; the response with id/model rewritten."""
 
-        async def once() -> dict[str, Any]:
+        async def once(started: float) -> dict[str, Any]:
             with _translated(self.name):
                 resp = await self._http.send(self._request(path, body, headers, False))
                 if resp.status_code != 200:

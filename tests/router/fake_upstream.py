@@ -25,7 +25,7 @@ CREATED = 1700000000
 TEXTS = ["Hello", ", wörld", " ✓ ", "日本語", "!"]
 
 script: list[dict[str, Any]] = []
-seen: list[dict[str, Any]] = []  # requests received: headers and body
+seen: list[dict[str, Any]] = []  # requests received: headers, body, and every traceparent sent
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -65,7 +65,8 @@ async def pieces(evs: list[bytes], delay: float) -> AsyncIterator[bytes]:
 
 async def completions(request: Request) -> Response:
     body = await request.json()
-    seen.append({"headers": dict(request.headers), "body": body})
+    seen.append({"headers": dict(request.headers), "body": body,
+                 "traceparents": request.headers.getlist("traceparent")})  # fmt: skip
     action = script.pop(0) if script else {"kind": "ok"}
     kind = action.get("kind", "ok")
     if kind == "hang":
