@@ -43,6 +43,9 @@ class SpeculativeOptions(BaseModel):
 
     mode: Literal["auto", "off", "draft", "ngram"] = "auto"
     max_k: int | None = Field(default=None, ge=1, le=32)
+    # false: always draft max_k tokens, skipping the adaptive k and the goodput check (benchmarks,
+    # and tests that must see speculation on hardware where it does not pay)
+    adaptive: bool | None = None
 
 
 class TextPart(BaseModel):
