@@ -86,6 +86,17 @@ async def test_engine_fault_mid_stream_is_one_error_event_then_done() -> None:
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
 
 
+async def test_keepalive_ping_during_a_slow_step() -> None:
+    """A step slower than the ping interval (a long prefill) shows up as ': ping' comments."""
+    engine = ScriptedEngine([token_ids("a"), token_ids("b")], delay=0.5)
+    s = load_settings(overrides={"server": {"sse_ping_s": 0.1}, "cache": {"enabled": False}}, env={})
+    app = create_app(s, engine=engine)  # type: ignore[arg-type]
+    async with client(app) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS, "stream": True})
+    assert ": ping" in r.text
+    assert "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for d in sse_data(r.text)[:-1]) == "ab"
+
+
 async def test_n_and_seed_reach_the_engine() -> None:
     engine = ScriptedEngine([token_ids("ok")])
     app = create_app(settings(), engine=engine)  # type: ignore[arg-type]

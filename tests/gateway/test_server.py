@@ -197,21 +197,6 @@ def test_raw_non_streamed_shape(server: Server, headers: dict[str, str]) -> None
     assert body["choices"][0]["logprobs"] is None
 
 
-def test_keepalive_ping_during_slow_stream(server: Server, headers: dict[str, str]) -> None:
-    body = {
-        "model": "tiny",
-        "messages": CHAT,
-        "max_tokens": 30,
-        "stream": True,
-        "stream_granularity": "token",
-    }
-    with httpx.stream(
-        "POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=30
-    ) as r:
-        raw = r.read().decode()
-    assert ": ping" in raw  # the server pings every 0.2 s in this configuration
-
-
 def test_health_ready_openapi_metrics(server: Server, headers: dict[str, str]) -> None:
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready", headers=headers).json() == {"ready": True}
