@@ -116,7 +116,7 @@ class AsyncEngine:
                     self._wake.wait()
                 if self._stopping:
                     break
-                admitted = []
+                admitted: list[_Pending] = []
                 while self._inbox and len(self._active) + len(admitted) < self.max_active:
                     admitted.append(self._inbox.popleft())
             for pending in admitted:

@@ -92,7 +92,7 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
-    model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
     config_ctx = getattr(model.config, "max_position_embeddings", None) or 4096
     max_context = spec.max_context or int(config_ctx)
     eos = _eos_ids(model, tokenizer)

@@ -98,10 +98,10 @@ def _crop_dynamic_cache(cache: DynamicCache, length: int) -> None:
     the same thing in every version that has ``cache.layers``.
     """
     for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if keys is not None and keys.numel():
-            layer.keys = keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is not None and values is not None and keys.numel():
+            layer.keys = keys[..., :length, :]  # type: ignore[union-attr]
+            layer.values = values[..., :length, :]  # type: ignore[union-attr]
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:

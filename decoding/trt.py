@@ -11,10 +11,12 @@ so this backend is untested here (docs/benchmarks.md says so). The CUDA-graph ba
 
 from __future__ import annotations
 
+from typing import Any
+
 from decoding.errors import ModelLoadError
 
 
-def _require_tensorrt():  # type: ignore[no-untyped-def]
+def _require_tensorrt() -> Any:
     try:
         import tensorrt  # noqa: F401
         import torch_tensorrt
@@ -26,7 +28,7 @@ def _require_tensorrt():  # type: ignore[no-untyped-def]
     return torch_tensorrt
 
 
-def tensorrt_runner_factory(model, max_context: int, slots: int):  # type: ignore[no-untyped-def]
+def tensorrt_runner_factory(model: Any, max_context: int, slots: int) -> Any:
     torch_tensorrt = _require_tensorrt()
     import torch
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from router.cli import add_router_commands
 
@@ -52,7 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
         specs.append(ModelSpec("draft", args.draft, dtype=args.dtype))
     models = load_all(specs)
     engine = Engine(models)
-    tok = models["target"].tokenizer
+    tok: Any = models["target"].tokenizer
     if args.raw:
         ids = tok(args.prompt)["input_ids"]
     else:
