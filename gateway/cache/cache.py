@@ -25,10 +25,10 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
+from decoding.embedder import Embedder, SentenceEmbedder
 from gateway.cache import guard
 from gateway.cache.backend import Backend, MemoryBackend, SemanticPart
 from gateway.cache.breaker import CircuitBreaker
-from gateway.cache.embedder import Embedder, SentenceEmbedder
 from gateway.cache.lsh import HyperplaneLSH, pack, unpack
 from gateway.cache.query import CacheQuery, Endpoint, build_query, cacheable, deterministic, parse_controls
 from gateway.cache.response import CachedResponse, CacheHit

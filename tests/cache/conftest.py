@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from decoding.embedder import SentenceEmbedder
 from gateway.cache import CacheSettings, ResponseCache
-from gateway.cache.embedder import SentenceEmbedder
 
 
 def free_port() -> int:

@@ -10,9 +10,9 @@ import uuid
 
 import redis.asyncio as aioredis
 
+from decoding.embedder import SentenceEmbedder
 from gateway.cache import CacheSettings, ResponseCache
 from gateway.cache.breaker import CircuitBreaker
-from gateway.cache.embedder import SentenceEmbedder
 from tests.cache.conftest import RedisProcess
 from tests.cache.test_cache import chat, get, put
 

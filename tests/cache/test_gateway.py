@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
+from decoding.embedder import SentenceEmbedder
 from gateway.app import create_app
 from gateway.cache import CacheSettings, ResponseCache
-from gateway.cache.embedder import SentenceEmbedder
 from gateway.cache.seam import GatewayCache
 from gateway.settings import load_settings
 from tests.cache.conftest import RedisProcess

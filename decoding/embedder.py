@@ -8,6 +8,9 @@ Threads: on the 2-core box MiniLM takes ~13 ms with one torch thread but 50-100 
 the engine or anything else is busy (OpenMP workers spin against each other). torch's thread count
 is per OS thread once a thread has run a parallel op, so we pin our worker to ``threads`` and put
 the process-wide default back from a throwaway thread, leaving the engine's threads as they were.
+
+Lives in decoding/ with the other models: the gateway's cache uses it, but the layering keeps
+every torch import on this side.
 """
 
 from __future__ import annotations
