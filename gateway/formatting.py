@@ -53,6 +53,7 @@ class _Formatter:
     """State shared by the chat and completion formats: ids, per-choice text, usage."""
 
     prefix = ""
+    envelope: Any = None  # the chunk model: ChatCompletionChunk or Completion
 
     def __init__(self, model: str, include_usage: bool, choices: int):
         self.id = f"{self.prefix}{uuid.uuid4().hex[:24]}"
@@ -80,16 +81,10 @@ class _Formatter:
             speculative=gen.speculative,
         )
 
-    def _dump(self, obj: Any) -> str:
-        return str(obj.model_dump_json(exclude=None if self.include_usage else {"usage"}))
-
-
-class ChatFormat(_Formatter):
-    prefix = "chatcmpl-"
-
-    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+    def _chunk(self, choices: list[Any], usage: Usage | None = None) -> str:
+        """One SSE event: the format's envelope (same id and created on every chunk) around choices."""
         return self._dump(
-            ChatCompletionChunk(
+            self.envelope(
                 id=self.id,
                 created=self.created,
                 model=self.model,
@@ -98,6 +93,14 @@ class ChatFormat(_Formatter):
                 usage=usage,
             )
         )
+
+    def _dump(self, obj: Any) -> str:
+        return str(obj.model_dump_json(exclude=None if self.include_usage else {"usage"}))
+
+
+class ChatFormat(_Formatter):
+    prefix = "chatcmpl-"
+    envelope = ChatCompletionChunk
 
     def opening(self, gen: Generation) -> list[str]:
         return [
@@ -142,6 +145,7 @@ class ChatFormat(_Formatter):
 
 class CompletionFormat(_Formatter):
     prefix = "cmpl-"
+    envelope = Completion
 
     def __init__(self, model: str, include_usage: bool, choices: int, n: int, echo: bool):
         super().__init__(model, include_usage, choices)
@@ -164,18 +168,6 @@ class CompletionFormat(_Formatter):
             token_logprobs=[e.logprob for e in entries],
             top_logprobs=[dict(e.top) for e in entries],
             text_offset=offsets,
-        )
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        return self._dump(
-            Completion(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                system_fingerprint=SYSTEM_FINGERPRINT,
-                choices=choices,
-                usage=usage,
-            )
         )
 
     def opening(self, gen: Generation) -> list[str]:
