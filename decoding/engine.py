@@ -72,7 +72,6 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     prefilled: bool = False
     finished: FinishReason | None = None
-    aborted: bool = False
 
     @property
     def completion_tokens(self) -> int:
@@ -249,8 +248,10 @@ class Engine:
                 TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)
             ]
         seq.tokens.extend(new_list)
-        if new_list:
-            seq.counts[torch.tensor(new_list, device=seq.counts.device)] += 1
+        if new_list and params.penalised:  # counts exist for the penalties alone
+            # index_add_, not `counts[idx] += 1`: a token accepted twice in one step counts twice
+            idx = torch.tensor(new_list, device=seq.counts.device)
+            seq.counts.index_add_(0, idx, torch.ones_like(idx))
         seq.stats.completion_tokens = seq.completion_tokens
         seq.finished = finish
         return StepOutput(

@@ -157,3 +157,16 @@ def test_ngram_lookup_prefers_longest_latest_match():
     seq = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3])
     assert lookup_ngram(seq, 3, max_ngram=3, min_ngram=1) == [4, 5, 7]  # "2 3" latest earlier -> 4
     assert lookup_ngram(np.array([5, 6, 7]), 2, 3, 1) == []
+
+
+def test_penalty_counts_every_accepted_token_including_repeats(tiny_models):
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[1])
+    req = GenerationRequest("c", "tiny-self", ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=0.1), SpecParams(SpecMode.DRAFT, max_k=6, adaptive=False))
+    seq = engine.start(req)
+    while engine.step(seq).finish_reason is None:
+        pass
+    completion = torch.tensor(seq.tokens[len(ids):])
+    expected = torch.bincount(completion, minlength=seq.counts.shape[0])
+    assert torch.equal(seq.counts, expected)
+    seq.release()
