@@ -76,7 +76,7 @@ class DraftModelDrafter:
         logits = self.runner.forward(tokens[self.runner.length :])
         assert logits is not None
         row = logits[-1:]  # [1, V]
-        counts = counts.clone()
+        counts = counts.clone() if params.penalised else counts  # counts exist for penalties alone
         drafted: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -88,7 +88,8 @@ class DraftModelDrafter:
                 tok = sample(p, generator)
                 probs.append(p[0])
             drafted.append(tok)
-            counts[tok] += 1
+            if params.penalised:
+                counts[tok] += 1
             if i < k - 1:
                 out = self.runner.forward(tok)  # stays on the device: no sync per drafted token
                 assert out is not None

@@ -45,6 +45,8 @@ class LoadedModel:
     max_context: int = 4096
     eos_token_ids: tuple[int, ...] = ()
     runner_factory: RunnerFactory = EagerRunner
+    # the runner when this model drafts for another (static backends: unpadded; see ModelSpec.exact)
+    draft_runner_factory: RunnerFactory | None = None
 
     @property
     def device(self) -> torch.device:
@@ -147,8 +149,11 @@ class Engine:
         # timings, and a different k consumes the generator differently. Such requests draft a
         # fixed k (greedy output does not depend on k at all, so it keeps adapting).
         seeded_sampling = request.params.seed is not None and not request.params.greedy
+        runner = target.runner_factory(target.model)
+        # an exact static runner keeps a step bit-identical to 1-token steps up to its padded width
+        step_limit = getattr(runner, "max_step_tokens", None)
         controller = SpecController(
-            k_max=request.spec.max_k,
+            k_max=min(request.spec.max_k, step_limit - 1) if step_limit else request.spec.max_k,
             adaptive=request.spec.adaptive and not seeded_sampling,
             speculate=drafter is not None,
             draft_cost_prior=self._draft_cost_prior(target, drafter),
@@ -156,7 +161,7 @@ class Engine:
         seq = Sequence(
             request=request,
             target=target,
-            runner=target.runner_factory(target.model),
+            runner=runner,
             drafter=drafter,
             controller=controller,
             generator=generator,
@@ -185,7 +190,8 @@ class Engine:
         if target.draft is None:
             return PromptLookupDrafter(target.device, max_ngram=self.ngram_max)
         draft = self.model(target.draft)
-        return DraftModelDrafter(draft.runner_factory(draft.model), draft.device)
+        factory = draft.draft_runner_factory or draft.runner_factory
+        return DraftModelDrafter(factory(draft.model), draft.device)
 
     @torch.inference_mode()
     def step(self, seq: Sequence) -> StepOutput:

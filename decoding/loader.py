@@ -32,9 +32,14 @@ class ModelSpec:
     device: str = "auto"
     max_context: int | None = None
     # how steps run: eager (DynamicCache), static (static cache), cuda_graphs (static + graphs),
-    # compile (static + torch.compile), tensorrt (the `tensorrt` extra); auto: cuda_graphs on CUDA
+    # compile (static + each layer compiled by inductor, under CUDA graphs on CUDA), tensorrt (the
+    # `tensorrt` extra); auto: cuda_graphs on CUDA
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
+    # static backends: run every decode and verification step at one padded width, so greedy
+    # speculation is token-identical to target-only decoding in bf16 (costs target-only decode speed;
+    # docs/benchmarks.md measures how much). Off: identical up to rounding ties.
+    exact: bool = True
 
 
 BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt")
@@ -96,7 +101,7 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     config_ctx = getattr(model.config, "max_position_embeddings", None) or 4096
     max_context = spec.max_context or int(config_ctx)
     eos = _eos_ids(model, tokenizer)
-    factory = runner_factory(spec, model, device, max_context)
+    factory, draft_factory = runner_factories(spec, model, device, max_context)
     log.info("loaded %s from %s on %s/%s in %.1fs", spec.name, where, device, dtype, time.perf_counter() - t0)
     return LoadedModel(
         name=spec.name,
@@ -106,29 +111,39 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         max_context=max_context,
         eos_token_ids=eos,
         runner_factory=factory,
+        draft_runner_factory=draft_factory,
     )
 
 
-def runner_factory(spec: ModelSpec, model: PreTrainedModel, device: torch.device, max_context: int) -> RunnerFactory:
+def runner_factories(
+    spec: ModelSpec, model: PreTrainedModel, device: torch.device, max_context: int
+) -> tuple[RunnerFactory, RunnerFactory]:
+    """The runner factory for serving the model, and the one for drafting with it."""
     backend = spec.backend
     if backend not in BACKENDS:
         raise ModelLoadError(f"model '{spec.name}': unknown backend '{backend}' (one of {', '.join(BACKENDS)})")
     if backend == "auto":
         backend = "cuda_graphs" if device.type == "cuda" else "eager"
     if backend == "eager":
-        return EagerRunner
+        return EagerRunner, EagerRunner
     if backend == "tensorrt":
         from decoding.trt import tensorrt_runner_factory
 
-        return tensorrt_runner_factory(model, max_context, spec.slots)
+        trt = tensorrt_runner_factory(model, max_context, spec.slots)
+        return trt, trt
     if backend == "cuda_graphs" and device.type != "cuda":
         raise ModelLoadError(f"model '{spec.name}': backend cuda_graphs needs a CUDA device, not {device}")
     from decoding.static import StaticModel
 
     static = StaticModel(
-        model, max_len=max_context, slots=spec.slots, graphs=backend == "cuda_graphs", compile_step=backend == "compile"
+        model,
+        max_len=max_context,
+        slots=spec.slots,
+        graphs=backend in ("cuda_graphs", "compile"),  # StaticModel captures graphs on CUDA only
+        compile_step=backend == "compile",
+        exact=spec.exact,
     )
-    return static.runner
+    return static.runner, static.draft_runner
 
 
 def _eos_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -51,6 +51,9 @@ class ModelSettings(_Section):
     max_context: int | None = Field(default=None, ge=2)
     # eager | static | cuda_graphs | compile | tensorrt; auto: cuda_graphs on a GPU, eager on a CPU
     backend: Literal["auto", "eager", "static", "cuda_graphs", "compile", "tensorrt"] = "auto"
+    # static backends: pad every step to one width so greedy speculation is token-identical to
+    # target-only decoding in bf16 as well (false: faster target-only decode, identical up to ties)
+    exact: bool = True
 
 
 class AuthSettings(_Section):

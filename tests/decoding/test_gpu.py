@@ -16,11 +16,30 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def gpu_models():
-    return load_all([
-        ModelSpec("tiny", "tiny-random", draft="tiny-draft", dtype="float32", device="cuda", backend="cuda_graphs", max_context=512),
-        ModelSpec("tiny-draft", "tiny-random-draft", dtype="float32", device="cuda", backend="cuda_graphs", max_context=512),
-        ModelSpec("tiny-eager", "tiny-random", dtype="float32", device="cuda", backend="eager", max_context=512),
-    ])
+    return load_all(
+        [
+            ModelSpec(
+                "tiny",
+                "tiny-random",
+                draft="tiny-draft",
+                dtype="float32",
+                device="cuda",
+                backend="cuda_graphs",
+                max_context=512,
+            ),
+            ModelSpec(
+                "tiny-draft",
+                "tiny-random-draft",
+                dtype="float32",
+                device="cuda",
+                backend="cuda_graphs",
+                max_context=512,
+            ),
+            ModelSpec(
+                "tiny-eager", "tiny-random", dtype="float32", device="cuda", backend="eager", max_context=512
+            ),
+        ]
+    )
 
 
 def test_graph_replay_matches_eager_static(gpu_models):
@@ -42,5 +61,84 @@ def test_speculation_over_graphs_is_lossless(gpu_models, mode, k):
     ids = list(range(30, 60))
     p = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     expected, _, _ = engine.generate(GenerationRequest("a", "tiny-eager", ids, p, SpecParams(SpecMode.OFF)))
-    got, _, _ = engine.generate(GenerationRequest("b", "tiny", ids, p, SpecParams(SpecMode(mode), max_k=k, adaptive=False)))
+    got, _, _ = engine.generate(
+        GenerationRequest("b", "tiny", ids, p, SpecParams(SpecMode(mode), max_k=k, adaptive=False))
+    )
     assert got == expected
+
+
+def test_compiled_graphs_match_eager_static(gpu_models):
+    m = gpu_models["tiny"].model
+    compiled = StaticModel(m, 256, slots=1, graphs=True, compile_step=True).runner()
+    plain = StaticModel(m, 256, slots=1, graphs=False).runner()
+    ids = list(range(10, 40))
+    for r in (compiled, plain):
+        r.forward(ids, logits=False)
+    for toks in ([1], [2, 3, 4], [5, 6, 7, 8, 9]):
+        torch.testing.assert_close(compiled.forward(toks), plain.forward(toks), rtol=1e-4, atol=1e-4)
+        compiled.crop(compiled.length - 1)
+        plain.crop(plain.length - 1)
+
+
+def _bf16_model(hidden: int, layers: int, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+    )
+    with torch.device("cuda"):
+        return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_exact_mode_rows_equal_one_token_steps_in_bf16(compile_step):
+    """On a GPU, 1-row and 9-row steps run different GEMM and attention kernels; exact mode runs
+    both at one width, so each verification row equals the 1-token step to the bit."""
+    static = StaticModel(
+        _bf16_model(512, 4, 0), 256, slots=1, graphs=True, compile_step=compile_step, exact=True
+    )
+    r = static.runner()
+    r.forward(list(range(100, 160)), logits=False)
+    base = r.length
+    block = [5, 6, 7, 8, 9, 10]
+    rows = r.forward(block)
+    r.crop(base)
+    singles = []
+    for tok in block:
+        singles.append(r.forward([tok])[0])
+    assert all(torch.equal(a, b) for a, b in zip(singles, rows, strict=True))
+
+
+def test_exact_speculation_in_bf16_is_token_identical():
+    from decoding.engine import LoadedModel
+
+    target = StaticModel(_bf16_model(512, 4, 0), 512, slots=2, graphs=True, exact=True)
+    # the target's own weights as its draft: acceptance is high, and rejections fall on bf16 ties
+    draft = StaticModel(_bf16_model(512, 4, 0), 512, slots=2, graphs=True)
+    models = {
+        "t": LoadedModel("t", target.model, None, draft="d", max_context=512, runner_factory=target.runner),
+        "d": LoadedModel(
+            "d",
+            draft.model,
+            None,
+            max_context=512,
+            runner_factory=draft.runner,
+            draft_runner_factory=draft.draft_runner,
+        ),
+    }
+    engine = Engine(models)
+    ids = list(range(200, 264))
+    p = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    expected, _, _ = engine.generate(GenerationRequest("a", "t", ids, p, SpecParams(SpecMode.OFF)))
+    for k in (2, 5, 8):
+        got, _, _ = engine.generate(
+            GenerationRequest("b", "t", ids, p, SpecParams(SpecMode.DRAFT, max_k=k, adaptive=False))
+        )
+        assert got == expected

@@ -3,6 +3,7 @@ the eager runner exactly in what it computes, and keep speculation lossless."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from decoding.engine import Engine
 from decoding.errors import ModelLoadError
-from decoding.loader import ModelSpec, runner_factory
+from decoding.loader import ModelSpec, runner_factories
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 from decoding.runner import EagerRunner
 from decoding.static import StaticModel
@@ -40,10 +41,22 @@ def test_engine_on_static_runners_is_lossless(tiny_models, mode):
     models = {name: static_copy(name) for name in ("tiny", "tiny-draft")}
     ids = models["tiny"].tokenizer("hello static world")["input_ids"]
     expected, _, _ = Engine(tiny_models).generate(
-        GenerationRequest("a", "tiny", ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), SpecParams(SpecMode.OFF))
+        GenerationRequest(
+            "a",
+            "tiny",
+            ids,
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+            SpecParams(SpecMode.OFF),
+        )
     )
     got, stats, _ = Engine(models).generate(
-        GenerationRequest("b", "tiny", ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), SpecParams(SpecMode(mode), max_k=4, adaptive=False))
+        GenerationRequest(
+            "b",
+            "tiny",
+            ids,
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+            SpecParams(SpecMode(mode), max_k=4, adaptive=False),
+        )
     )
     assert got == expected
     assert stats.spec_steps > 0
@@ -52,9 +65,9 @@ def test_engine_on_static_runners_is_lossless(tiny_models, mode):
 def test_unknown_and_unavailable_backends_are_refused(tiny_models):
     m = tiny_models["tiny"]
     with pytest.raises(ModelLoadError, match="unknown backend"):
-        runner_factory(ModelSpec("x", "tiny-random", backend="warp"), m.model, m.device, 64)
+        runner_factories(ModelSpec("x", "tiny-random", backend="warp"), m.model, m.device, 64)
     with pytest.raises(ModelLoadError, match="CUDA"):
-        runner_factory(ModelSpec("x", "tiny-random", backend="cuda_graphs"), m.model, m.device, 64)
+        runner_factories(ModelSpec("x", "tiny-random", backend="cuda_graphs"), m.model, m.device, 64)
 
 
 def test_tensorrt_backend_names_the_extra_when_missing(tiny_models):
@@ -67,4 +80,78 @@ def test_tensorrt_backend_names_the_extra_when_missing(tiny_models):
         pass
     m = tiny_models["tiny"]
     with pytest.raises(ModelLoadError, match=r"specgate\[tensorrt\]"):
-        runner_factory(ModelSpec("x", "tiny-random", backend="tensorrt"), m.model, m.device, 64)
+        runner_factories(ModelSpec("x", "tiny-random", backend="tensorrt"), m.model, m.device, 64)
+
+
+def test_compiled_layers_match_the_eager_static_forward(tiny_models):
+    """The `compile` backend (inductor, one compiled layer shared by all layers): T = 1, several
+    verification lengths and a prefill chunk must all match the uncompiled forward."""
+    m = tiny_models["tiny"]
+    compiled = StaticModel(m.model, max_len=128, slots=1, graphs=False, compile_step=True).runner()
+    plain = StaticModel(m.model, max_len=128, slots=1, graphs=False).runner()
+    ids = list(range(20, 50))
+    torch.testing.assert_close(compiled.forward(ids), plain.forward(ids), rtol=1e-4, atol=1e-4)
+    for toks in ([1], [2, 3], [4, 5, 6, 7], [8]):
+        torch.testing.assert_close(compiled.forward(toks), plain.forward(toks), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_weights_leave_the_hf_model_unchanged(tiny_models):
+    """Fusing q/k/v and gate/up rebinds the HF modules to views of the fused tensors: the HF
+    forward still computes what it did, and no second copy of the weights is made."""
+    m = tiny_models["tiny"]
+    ids = torch.tensor([list(range(5, 25))])
+    with torch.inference_mode():
+        before = m.model(ids).logits
+        StaticModel(m.model, max_len=64, slots=1, graphs=False)
+        after = m.model(ids).logits
+    torch.testing.assert_close(before, after, rtol=0, atol=0)
+    attn = m.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+
+
+def test_unsupported_architectures_are_refused_with_a_way_out(tiny_models):
+    m = tiny_models["tiny"]
+    m.model.config.model_type, saved = "gemma", m.model.config.model_type
+    try:
+        with pytest.raises(ModelLoadError, match="backend 'eager'"):
+            StaticModel(m.model, max_len=64, slots=1, graphs=False)
+    finally:
+        m.model.config.model_type = saved
+
+
+def test_exact_rows_are_bit_identical_to_one_token_steps(tiny_models):
+    """Exact mode pads every short step to one width, so row j of a (k+1)-token verification is
+    computed by the same kernels as a 1-token step at that position: equal to the bit, in bf16."""
+    m = tiny_models["tiny"]
+    model = copy.deepcopy(m.model).to(torch.bfloat16)
+    static = StaticModel(model, max_len=128, slots=1, graphs=False, exact=True)
+    r = static.runner()
+    r.forward(list(range(30, 60)), logits=False)
+    base = r.length
+    block = r.forward([5, 6, 7, 8])
+    r.crop(base)
+    for j, tok in enumerate([5, 6, 7, 8]):
+        assert torch.equal(r.forward([tok])[0], block[j])
+    assert r.max_step_tokens == static.max_graph_tokens
+
+
+def test_exact_speculation_in_bf16_equals_target_only(tiny_models):
+    models = {}
+    for name in ("tiny", "tiny-draft"):
+        lm = tiny_models[name]
+        static = StaticModel(
+            copy.deepcopy(lm.model).to(torch.bfloat16), max_len=256, slots=2, graphs=False, exact=True
+        )
+        models[name] = replace(
+            lm, model=static.model, runner_factory=static.runner, draft_runner_factory=static.draft_runner
+        )
+    ids = list(range(40, 70))
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine = Engine(models)
+    expected, _, _ = engine.generate(GenerationRequest("a", "tiny", ids, p, SpecParams(SpecMode.OFF)))
+    for mode in ("draft", "ngram"):
+        got, stats, _ = engine.generate(
+            GenerationRequest("b", "tiny", ids, p, SpecParams(SpecMode(mode), max_k=6, adaptive=False))
+        )
+        assert got == expected
+        assert stats.spec_steps > 0
