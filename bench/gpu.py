@@ -244,6 +244,7 @@ def main() -> None:
     R["roofline_tps"] = bw / R["target_weight_bytes"]
     ids = torch.randint(0, 150000, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     new = 64 if args.quick else NEW
+    R["new_tokens"] = new
     B = Bench(target, draft, ids)
 
     # 2. every backend: step times for both models, kernels per step, target-only decode
@@ -322,6 +323,8 @@ def main() -> None:
             r = merge([spec_run(spec_engine, ids, reference, a, k, new, seed) for seed in range(REPEATS)])
             rows.append(r)
             r["predicted"] = predicted(b, a, k)
+            # the cost model alone, with the sampling noise of the realised acceptance taken out
+            r["predicted_at_measured"] = r["tokens_per_step"] / (k * b["c"] + b["c_v_exact"])
             r["speedup"] = r["tps"] / b["decode_tps"]
             r["speedup_vs_exact"] = r["tps"] / b["decode_tps_exact"]
             save({**R, "speculative": rows}, args.out)

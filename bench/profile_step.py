@@ -1,7 +1,11 @@
-"""Device probe: which kernels a compiled 1-token step launches, by name and count, for the draft and
-the target shapes (what decides a batch-1 step once the weights are read at full bandwidth).
+"""Device probe: what a compiled 1-token step is made of (kernels by name, count and time) and what
+it costs under CUDA graphs, for the draft and target shapes.
 
     python -m bench.profile_step
+
+Run on the H200 (2026-11-29) it also tried attention as two matmuls around an inductor-fused
+softmax, and inductor's coordinate-descent tuning and max-autotune: none beat the default (SDPA,
+cuBLAS) by more than run-to-run spread, and max-autotune was slower, so neither was kept.
 """
 
 from __future__ import annotations
@@ -10,35 +14,61 @@ from collections import Counter
 
 import torch
 
-from bench.gpu import DRAFT, MAX_LEN, TARGET, build
+from bench.gpu import DRAFT, MAX_LEN, TARGET, build, cuda_time
 from decoding.static import StaticModel
 
+PROMPT = list(range(100, 228))
 
-def profile(shape: dict, seed: int, compile_step: bool) -> None:
-    m = StaticModel(build(shape, seed), MAX_LEN, slots=1, graphs=False, compile_step=compile_step)
+
+def kernels(m: StaticModel, top: int) -> None:
     r = m.runner(exact=False)
-    r.forward(list(range(100, 228)), logits=False)
+    r.forward(PROMPT, logits=False)
     tok = torch.tensor([5], device="cuda")
+    saved, m.graphs_enabled = m.graphs_enabled, False
     for _ in range(3):
         r.forward(tok)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         r.forward(tok)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    layers = len(m.weights)
-    print(f"\n== {shape['hidden_size']}-wide, {layers} layers, compiled={compile_step}: {len(kernels)} kernels, "
-          f"{sum(e.device_time for e in kernels) / 1e3:.2f} ms of kernel time")
-    by = Counter()
-    t = Counter()
-    for e in kernels:
-        by[e.name[:90]] += 1
-        t[e.name[:90]] += e.device_time
-    for name, n in by.most_common(25):
-        print(f"{n:5d} x {t[name] / n:7.1f} us  {name}")
+    m.graphs_enabled = saved
+    r.release()
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"   {len(ks)} kernels, {sum(e.device_time for e in ks) / 1e3:.2f} ms of kernel time")
+    by, t = Counter(), Counter()
+    for e in ks:
+        by[e.name[:80]] += 1
+        t[e.name[:80]] += e.device_time
+    for name, n in by.most_common(top):
+        print(f"   {n:5d} x {t[name] / n:6.1f} us  {name}")
+
+
+def step(m: StaticModel, exact: bool) -> float:
+    r = m.runner(exact=exact)
+    r.forward(PROMPT, logits=False)
+    L = r.length
+    tok = torch.tensor([7], device="cuda")
+
+    def f() -> None:
+        r.forward(tok)
+        r.crop(L)
+
+    t = cuda_time(f, 50)
+    r.release()
+    return t
+
+
+def main() -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    for shape, seed in ((DRAFT, 1), (TARGET, 0)):
+        m = StaticModel(build(shape, seed), MAX_LEN, slots=1, graphs=True, compile_step=True, exact=True)
+        print(
+            f"{shape['hidden_size']}-wide: 1-token step {step(m, False) * 1e3:.3f} ms, exact step {step(m, True) * 1e3:.3f} ms"
+        )
+        kernels(m, 16)
+        del m
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    profile(DRAFT, 1, True)
-    profile(TARGET, 0, True)
+    main()

@@ -96,8 +96,8 @@ def decoder_layer(
     kv[:, :, pos] = torch.stack([k, v])  # one in-place index_put_ (gpt-fast's KVCache.update)
     o = F.scaled_dot_product_attention(
         q[None], kv[0][None], kv[1][None], attn_mask=mask, scale=d.scale, enable_gqa=d.gqa
-    )
-    x = x + F.linear(o[0].transpose(0, 1).reshape(T, H * hd), w.o)
+    )[0]
+    x = x + F.linear(o.transpose(0, 1).reshape(T, H * hd), w.o)
     gate, up = F.linear(rms_norm(x, w.ln2, d.eps), w.gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, w.down)
 

@@ -155,3 +155,4 @@ def test_exact_speculation_in_bf16_equals_target_only(tiny_models):
         )
         assert got == expected
         assert stats.spec_steps > 0
+
