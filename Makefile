@@ -1,7 +1,8 @@
 # specgate: every target is idempotent from a fresh clone.
 #   make serve   set up, pull + verify the default models, serve on 127.0.0.1:8000
 #   make test    set up, pull the models for the slow tests, start redis if needed, run every test
-#   make bench   set up and run the CPU benchmark on the real pair (GPU: python -m bench.gpu, see docs/benchmarks.md)
+#   make bench   set up and run every benchmark this machine can: the GPU fast path where CUDA is,
+#                the CPU engine benchmark on the real pair (bench/__main__.py)
 
 PYTHON     ?= python3
 VENV       ?= .venv
@@ -37,7 +38,7 @@ test: models
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: models
-	$(PY) -m bench.cpu_engine
+	$(PY) -m bench
 
 lint: install
 	$(VENV)/bin/ruff check gateway decoding router tests bench

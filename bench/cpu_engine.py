@@ -45,11 +45,11 @@ PROMPTS = {
 GROUNDED = ("code edit", "extraction")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     models = load_all([

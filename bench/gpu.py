@@ -215,13 +215,13 @@ class Bench:
         return t
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results_gpu.json")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and k values (a smoke run)")
     ap.add_argument("--no-compile", action="store_true", help="skip the inductor-compiled backend")
     ap.add_argument("--no-doc", action="store_true", help="write the JSON only, not docs/benchmarks.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     wall = time.perf_counter()
     R: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),

@@ -1,0 +1,44 @@
+"""``make bench``: every benchmark the engine issue asks for that this machine can run, in one process,
+each writing its own section of docs/benchmarks.md (and its plot).
+
+  - on a CUDA machine: the GPU fast path and speculation at controlled acceptance (``bench.gpu``),
+    real architectures at real sizes with random weights;
+  - wherever the real pair is in the model store (``make models`` pulls it): the CPU engine benchmark
+    on the real pair (``bench.cpu_engine``).
+
+    python -m bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from decoding import store
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="GPU: fewer tokens and k values")
+    args = ap.parse_args()
+    ran = []
+    if torch.cuda.is_available():
+        from bench import gpu
+
+        gpu.main(["--quick"] if args.quick else [])
+        ran.append("gpu")
+    if all(store.is_cached(a) for a in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")):
+        from bench import cpu_engine
+
+        cpu_engine.main([])
+        ran.append("cpu-engine")
+    else:
+        print("real pair not in the model store (`make models`): CPU engine benchmark skipped")
+    if not ran:
+        raise SystemExit("nothing to benchmark here")
+    print(f"wrote docs/benchmarks.md sections: {', '.join(ran)}")
+
+
+if __name__ == "__main__":
+    main()
