@@ -31,7 +31,7 @@ def plot(R: dict[str, Any]) -> None:
     ax.set_xlabel("draft length k")
     ax.set_ylabel(f"speedup over target-only ({R['spec_backend']})")
     ax.set_title(
-        f"7B-shaped target, 0.5B-shaped draft, bf16, {R['device']}\n(dashed: (1-a^(k+1)) / ((1-a)(k c + c_v(k))))",
+        f"7B-shaped target, 0.5B-shaped draft, bf16, {R['device']}\n(dashed: (1-a^(k+1)) / ((1-a)(k c + c_v)))",
         fontsize=9,
     )
     ax.legend(fontsize=8)
@@ -106,7 +106,32 @@ def render(R: dict[str, Any], source: str) -> str:
         "With the realised tokens per step in place of (1 - a^(k+1)) / (1 - a), the cost model "
         f"(tokens per step / (k c + c_v)) is within {within_m[-1]:.0%} (median {within_m[len(within_m) // 2]:.0%}).",
     ]
+    c_star = _c_needed(2.5, 0.8, B["c_v_exact"])
+    floor = R["draft_weight_bytes"] / bw
+    lines += [
+        "",
+        f"Why not 2.5x at a = 0.8: with c_v = {B['c_v_exact']:.2f}, the formula reaches 2.5x at its best k only when "
+        f"c <= {c_star:.3f}, a draft step of {c_star * B['target_step_s'] * 1e3:.2f} ms here. The draft's weights "
+        f"({R['draft_weight_bytes'] / 1e9:.2f} GB) take {floor * 1e3:.2f} ms at copy bandwidth, but its 24 layers "
+        f"are {B['draft_kernels']} kernels, {B['draft_step_s'] / B['draft_kernels'] * 1e6:.1f} µs each on average "
+        "under the graph: at batch 1 each small GEMM runs at its latency, not at bandwidth "
+        "(`python -m bench.profile_step` lists them). Inductor's fusion took the draft from "
+        f"{R['backends']['cuda_graphs']['draft_kernels']} kernels to {B['draft_kernels']}; matmul attention and "
+        "max-autotune were tried and did not help.",
+        "",
+        f"Exact mode (the default for static backends) costs target-only decode "
+        f"{1 - B['decode_tps_exact'] / B['decode_tps']:.0%} here and little in speculation, whose verification is a "
+        f"multi-row step either way ({B['c_v_exact']:.2f}x a 1-token step padded, {min(B['c_v'].values()):.2f}-"
+        f"{max(B['c_v'].values()):.2f}x unpadded); `exact: false` serves the faster decode, identical to the target "
+        "up to bf16 rounding ties.",
+    ]
     return "\n".join(lines)
+
+
+def _c_needed(speedup: float, a: float, c_v: float) -> float:
+    """The largest draft cost c for which some k in 1..16 reaches ``speedup`` at acceptance a:
+    speedup <= (1 - a^(k+1)) / ((1 - a)(k c + c_v))  <=>  c <= ((1 - a^(k+1)) / ((1 - a) speedup) - c_v) / k."""
+    return max(((1 - a ** (k + 1)) / ((1 - a) * speedup) - c_v) / k for k in range(1, 17))
 
 
 def write(R: dict[str, Any], source: str) -> None:

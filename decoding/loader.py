@@ -33,7 +33,7 @@ class ModelSpec:
     max_context: int | None = None
     # how steps run: eager (DynamicCache), static (static cache), cuda_graphs (static + graphs),
     # compile (static + each layer compiled by inductor, under CUDA graphs on CUDA), tensorrt (the
-    # `tensorrt` extra); auto: cuda_graphs on CUDA
+    # `tensorrt` extra); auto: compile on CUDA (cuda_graphs if compiling fails), eager on a CPU
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
     # static backends: run every decode and verification step at one padded width, so greedy
@@ -123,7 +123,7 @@ def runner_factories(
     if backend not in BACKENDS:
         raise ModelLoadError(f"model '{spec.name}': unknown backend '{backend}' (one of {', '.join(BACKENDS)})")
     if backend == "auto":
-        backend = "cuda_graphs" if device.type == "cuda" else "eager"
+        backend = "compile" if device.type == "cuda" else "eager"
     if backend == "eager":
         return EagerRunner, EagerRunner
     if backend == "tensorrt":
@@ -135,14 +135,28 @@ def runner_factories(
         raise ModelLoadError(f"model '{spec.name}': backend cuda_graphs needs a CUDA device, not {device}")
     from decoding.static import StaticModel
 
-    static = StaticModel(
-        model,
-        max_len=max_context,
-        slots=spec.slots,
-        graphs=backend in ("cuda_graphs", "compile"),  # StaticModel captures graphs on CUDA only
-        compile_step=backend == "compile",
-        exact=spec.exact,
-    )
+    def static_model(compile_step: bool) -> StaticModel:
+        return StaticModel(
+            model,
+            max_len=max_context,
+            slots=spec.slots,
+            graphs=backend in ("cuda_graphs", "compile"),  # StaticModel captures graphs on CUDA only
+            compile_step=compile_step,
+            exact=spec.exact,
+        )
+
+    static = static_model(backend == "compile")
+    if backend == "compile":
+        t0 = time.perf_counter()
+        try:
+            static.warm()  # compile now, not in the first request
+        except Exception as exc:  # inductor's toolchain (triton, a C compiler) missing or failing
+            if spec.backend != "auto":
+                raise ModelLoadError(f"model '{spec.name}': torch.compile failed: {exc!r:.300}") from exc
+            log.warning("model %s: torch.compile failed (%r); serving with CUDA graphs alone", spec.name, exc)
+            static = static_model(False)
+        else:
+            log.info("model %s: compiled in %.1fs", spec.name, time.perf_counter() - t0)
     return static.runner, static.draft_runner
 
 

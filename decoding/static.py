@@ -317,6 +317,19 @@ class StaticModel:
             graph = self._graphs[(slot, rows)] = _Graph(self, slot, rows)
         return graph.replay(ids, pos, n)
 
+    def warm(self) -> None:
+        """Run the step shapes requests will use once, ahead of them: with ``compile_step`` this
+        compiles the layer for T = 1 and for T >= 2 (verification, exact steps, prefill). Writes
+        only at the scratch tail."""
+        slot = self.acquire()
+        try:
+            with torch.inference_mode():
+                for n in (3, 1):
+                    pos = self.positions[self.max_len : self.max_len + n]
+                    self._step(slot, torch.zeros(n, dtype=torch.long, device=self.device), pos)
+        finally:
+            self.release(slot)
+
     def capture(self, token_counts: range) -> None:
         """Capture graphs ahead of the first request (otherwise on first use)."""
         counts = set(token_counts) | ({self.pad} if self.exact else set())

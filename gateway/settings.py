@@ -49,7 +49,8 @@ class ModelSettings(_Section):
     dtype: str = "auto"
     device: str = "auto"
     max_context: int | None = Field(default=None, ge=2)
-    # eager | static | cuda_graphs | compile | tensorrt; auto: cuda_graphs on a GPU, eager on a CPU
+    # eager | static | cuda_graphs | compile | tensorrt; auto: compile (falling back to cuda_graphs)
+    # on a GPU, eager on a CPU
     backend: Literal["auto", "eager", "static", "cuda_graphs", "compile", "tensorrt"] = "auto"
     # static backends: pad every step to one width so greedy speculation is token-identical to
     # target-only decoding in bf16 as well (false: faster target-only decode, identical up to ties)

@@ -156,3 +156,16 @@ def test_exact_speculation_in_bf16_equals_target_only(tiny_models):
         assert got == expected
         assert stats.spec_steps > 0
 
+
+
+def test_compile_backend_loads_warm_and_matches_eager(tiny_models):
+    """`backend: compile` through the loader compiles at load (warm) and serves what eager serves."""
+    m = tiny_models["tiny"]
+    serve, draft = runner_factories(ModelSpec("x", "tiny-random", backend="compile", slots=2), m.model, m.device, 128)
+    ids = list(range(10, 40))
+    for factory in (serve, draft):
+        r = factory(m.model)
+        torch.testing.assert_close(r.forward(ids), EagerRunner(m.model).forward(ids), rtol=1e-4, atol=1e-4)
+        r.release()
+    assert serve(m.model).max_step_tokens == 9  # exact by default: k is capped at 8
+    assert draft(m.model).max_step_tokens is None
