@@ -22,7 +22,7 @@ import torch
 
 from bench.report import stamp, write_section
 from decoding.engine import Engine
-from decoding.loader import ModelSpec, load_all
+from decoding.loader import ModelSpec, cpu_bf16_features, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
 PROMPTS = {
@@ -55,10 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    models = load_all([
-        ModelSpec("target", "qwen2.5-coder-1.5b", draft="draft", dtype="bfloat16", device="cpu"),
-        ModelSpec("draft", "qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu"),
-    ])
+    models = load_all(
+        [
+            ModelSpec("target", "qwen2.5-coder-1.5b", draft="draft", dtype="bfloat16", device="cpu"),
+            ModelSpec("draft", "qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu"),
+        ]
+    )
     load_s = time.perf_counter() - t0
     engine = Engine(models)
     tok = models["target"].tokenizer
@@ -66,20 +68,34 @@ def main(argv: list[str] | None = None) -> None:
 
     def ours(mode: SpecMode) -> Callable[[list[int]], tuple[list[int], dict[str, Any]]]:
         def run(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
-            req = GenerationRequest("b", "target", ids, SamplingParams(max_tokens=args.new, temperature=0), SpecParams(mode, max_k=8))
+            req = GenerationRequest(
+                "b",
+                "target",
+                ids,
+                SamplingParams(max_tokens=args.new, temperature=0),
+                SpecParams(mode, max_k=8),
+            )
             out, stats, _ = engine.generate(req)
-            return out, {"accept": stats.acceptance_rate, "per_step": stats.mean_accepted_per_step, "off": stats.spec_disabled_steps}
+            return out, {
+                "accept": stats.acceptance_rate,
+                "per_step": stats.mean_accepted_per_step,
+                "off": stats.spec_disabled_steps,
+            }
+
         return run
 
     def hf(**kw: Any) -> Callable[[list[int]], tuple[list[int], dict[str, Any]]]:
         def run(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
             x = torch.tensor([ids])
             with torch.inference_mode():
-                out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new, do_sample=False, **kw)
-            new = out[0, len(ids):].tolist()
+                out = target.generate(
+                    x, attention_mask=torch.ones_like(x), max_new_tokens=args.new, do_sample=False, **kw
+                )
+            new = out[0, len(ids) :].tolist()
             eos = set(models["target"].eos_token_ids)
             cut = next((i for i, t in enumerate(new) if t in eos), len(new))
             return new[:cut], {}
+
         return run
 
     methods = {
@@ -90,7 +106,11 @@ def main(argv: list[str] | None = None) -> None:
         "transformers prompt lookup": hf(prompt_lookup_num_tokens=10),
     }
     encoded = {
-        name: list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
+        name: list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
         for name, p in PROMPTS.items()
     }
     costs = step_costs(models, encoded["haiku"])
@@ -103,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     names = list(methods)
     for i, (prompt, ids) in enumerate(encoded.items()):
         results[prompt] = {}
-        order = names[i % len(names):] + names[: i % len(names)]  # rotate so no method always runs first
+        order = names[i % len(names) :] + names[: i % len(names)]  # rotate so no method always runs first
         for m in order:
             t = time.perf_counter()
             out, info = methods[m](ids)
@@ -138,16 +158,9 @@ def step_costs(models: dict[str, Any], ids: list[int]) -> dict[str, float]:
     return out
 
 
-def bf16_features() -> list[str]:
-    """The CPU's bf16 matrix features (what decides whether a (k+1)-token step costs one step)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-
-
-def render(results: dict[str, dict[str, dict[str, Any]]], names: list[str], load_s: float, costs: dict[str, float]) -> str:
+def render(
+    results: dict[str, dict[str, dict[str, Any]]], names: list[str], load_s: float, costs: dict[str, float]
+) -> str:
     lines = [
         "## Engine on the CPU: the real pair",
         "",
@@ -161,7 +174,7 @@ def render(results: dict[str, dict[str, dict[str, Any]]], names: list[str], load
         f"3 tokens {costs['target_T3'] * 1e3:.0f} ms, 5 tokens {costs['target_T5'] * 1e3:.0f} ms "
         f"(c_v(2) = {costs['target_T3'] / costs['target_T1']:.2f}, c_v(4) = {costs['target_T5'] / costs['target_T1']:.2f}); "
         f"draft 1 token {costs['draft_T1'] * 1e3:.0f} ms (c = {costs['draft_T1'] / costs['target_T1']:.2f}). "
-        f"CPU bf16 features: {', '.join(bf16_features()) or 'none (AVX2 only)'}. "
+        f"CPU bf16 features: {', '.join(cpu_bf16_features()) or 'none (AVX2 only)'}. "
         + (
             "Verifying k+1 tokens costs about one step here, so speculation pays wherever the draft is accepted."
             if costs["target_T5"] / costs["target_T1"] < 2
@@ -185,24 +198,48 @@ def render(results: dict[str, dict[str, dict[str, Any]]], names: list[str], load
                 cell += " **differs**"
             cells.append(cell)
         lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
-    med = {m: statistics.median(row[m]["tps"] / row["target-only"]["tps"] for row in results.values()) for m in names}
-    lines += ["", "Median speedup over target-only: " + ", ".join(f"{m} {v:.2f}x" for m, v in med.items() if m != "target-only") + "."]
-    ratio = statistics.median(row["specgate draft"]["tps"] / row["transformers assisted"]["tps"] for row in results.values())
-    worst = min(min(row[m]["tps"] / row["target-only"]["tps"] for m in ("specgate draft",)) for row in results.values())
-    grounded = [row["specgate prompt lookup"]["tps"] / row["transformers prompt lookup"]["tps"] for p, row in results.items() if p in GROUNDED]
+    med = {
+        m: statistics.median(row[m]["tps"] / row["target-only"]["tps"] for row in results.values())
+        for m in names
+    }
+    lines += [
+        "",
+        "Median speedup over target-only: "
+        + ", ".join(f"{m} {v:.2f}x" for m, v in med.items() if m != "target-only")
+        + ".",
+    ]
+    ratio = statistics.median(
+        row["specgate draft"]["tps"] / row["transformers assisted"]["tps"] for row in results.values()
+    )
+    worst = min(
+        min(row[m]["tps"] / row["target-only"]["tps"] for m in ("specgate draft",))
+        for row in results.values()
+    )
+    grounded = [
+        row["specgate prompt lookup"]["tps"] / row["transformers prompt lookup"]["tps"]
+        for p, row in results.items()
+        if p in GROUNDED
+    ]
     ours = [m for m in names if m.startswith("specgate")]
     identical = all(row[m]["identical"] for row in results.values() for m in ours)
-    theirs = [f"{m} on {p}" for p, row in results.items() for m in names if not m.startswith("specgate") and not row[m]["identical"]]
+    theirs = [
+        f"{m} on {p}"
+        for p, row in results.items()
+        for m in names
+        if not m.startswith("specgate") and not row[m]["identical"]
+    ]
     lines += [
         "",
         "Goals (engine issue):",
         f"- draft-model speculation vs transformers' assisted generation, median: {ratio:.2f}x (goal >= 1.2x)",
         f"- slowest prompt under draft speculation vs target-only: {worst:.2f}x (goal >= 0.95x)",
         "- prompt lookup vs transformers' prompt lookup on input-grounded prompts: "
-        + ", ".join(f"{g:.2f}x" for g in grounded) + " (goal >= 1.0x)",
+        + ", ".join(f"{g:.2f}x" for g in grounded)
+        + " (goal >= 1.0x)",
         f"- every specgate output token-identical to target-only: {'yes' if identical else 'NO'}",
         "",
-        "transformers' outputs that differ from target-only: " + (", ".join(theirs) or "none")
+        "transformers' outputs that differ from target-only: "
+        + (", ".join(theirs) or "none")
         + ". Its multi-token verification rounds differently from its single steps in bf16, so near-ties flip.",
     ]
     return "\n".join(lines)

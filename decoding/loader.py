@@ -7,6 +7,7 @@ model (built on first use), a local Hugging Face directory, a local ``.gguf`` fi
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -36,10 +37,10 @@ class ModelSpec:
     # `tensorrt` extra); auto: compile on CUDA (cuda_graphs if compiling fails), eager on a CPU
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
-    # static backends: run every decode and verification step at one padded width, so greedy
-    # speculation is token-identical to target-only decoding in bf16 (costs target-only decode speed;
-    # docs/benchmarks.md measures how much). Off: identical up to rounding ties.
-    exact: bool = True
+    # run every decode and verification step at one padded width (decoding.runner.EXACT_WIDTH), so
+    # greedy speculation is token-identical to target-only decoding in bf16 too; off: identical up to
+    # rounding ties. None: on, except where a padded step costs several steps (see exact_default).
+    exact: bool | None = None
 
 
 BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt")
@@ -51,7 +52,9 @@ def resolve(source: str, pull: bool = True) -> tuple[Path | str, str | None]:
     if alias in store.PINNED:
         if not store.is_cached(alias):
             if not pull:
-                raise ModelLoadError(f"model '{source}' is not in the store; run `specgate models pull {alias}`")
+                raise ModelLoadError(
+                    f"model '{source}' is not in the store; run `specgate models pull {alias}`"
+                )
             store.pull(alias)
         return store.model_dir(alias), None
     if alias in tiny.TINY:
@@ -121,11 +124,14 @@ def runner_factories(
     """The runner factory for serving the model, and the one for drafting with it."""
     backend = spec.backend
     if backend not in BACKENDS:
-        raise ModelLoadError(f"model '{spec.name}': unknown backend '{backend}' (one of {', '.join(BACKENDS)})")
+        raise ModelLoadError(
+            f"model '{spec.name}': unknown backend '{backend}' (one of {', '.join(BACKENDS)})"
+        )
     if backend == "auto":
         backend = "compile" if device.type == "cuda" else "eager"
+    exact = spec.exact if spec.exact is not None else exact_default(device, model.dtype)
     if backend == "eager":
-        return EagerRunner, EagerRunner
+        return functools.partial(EagerRunner, exact=exact), EagerRunner
     if backend == "tensorrt":
         from decoding.trt import tensorrt_runner_factory
 
@@ -142,7 +148,7 @@ def runner_factories(
             slots=spec.slots,
             graphs=backend in ("cuda_graphs", "compile"),  # StaticModel captures graphs on CUDA only
             compile_step=compile_step,
-            exact=spec.exact,
+            exact=exact,
         )
 
     static = static_model(backend == "compile")
@@ -158,6 +164,26 @@ def runner_factories(
         else:
             log.info("model %s: compiled in %.1fs", spec.name, time.perf_counter() - t0)
     return static.runner, static.draft_runner
+
+
+def cpu_bf16_features() -> list[str]:
+    """The CPU's bf16 matrix instructions, from /proc/cpuinfo (empty where there are none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+
+
+def exact_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """Exact mode wherever a padded step costs about one step: GPUs, float32, and CPUs with bf16
+    matrix instructions (measured: 9 rows cost 0.99x one row on an AVX512-BF16 EPYC). Not on a CPU
+    without them, where torch runs a low-precision GEMM of M rows as M passes (9 rows would cost 9
+    steps); there every row is computed by the 1-row kernel anyway, so steps agree without padding."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return True
+    return bool(cpu_bf16_features())
 
 
 def _eos_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

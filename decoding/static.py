@@ -32,7 +32,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.errors import ModelLoadError
-from decoding.runner import Tokens, as_ids
+from decoding.runner import EXACT_WIDTH, Tokens, as_ids
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -186,7 +186,7 @@ class StaticModel:
         max_len: int,
         slots: int = 1,
         graphs: bool = True,
-        max_graph_tokens: int = 9,
+        max_graph_tokens: int = EXACT_WIDTH,
         compile_step: bool = False,
         exact: bool = False,
     ):
@@ -234,11 +234,10 @@ class StaticModel:
         self.positions = pos  # [cache_len]
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
-        # exact: every step of up to max_graph_tokens tokens runs as max_graph_tokens rows (the rest
-        # dummies at the scratch tail). A row then meets the same kernels, shapes and reduction
-        # orders whether it is a 1-token decode or one row of a (k+1)-token verification, so
-        # greedy speculation is token-identical to target-only decoding in bf16 too, not only up
-        # to rounding (cuBLAS and attention pick different kernels for 1 row and for 9).
+        # exact (decoding.runner.EXACT_WIDTH): every step of up to max_graph_tokens tokens runs as
+        # max_graph_tokens rows, the rest dummies at the scratch tail. A row then meets the same
+        # kernels, shapes and reduction orders whether it is a 1-token decode or one row of a
+        # (k+1)-token verification (cuBLAS and attention pick different kernels for 1 row and 9).
         self.exact = exact  # the default for runners; a drafting runner never needs it
         self.pad = max_graph_tokens
         self._graphs: dict[tuple[int, int], _Graph] = {}

@@ -169,3 +169,18 @@ def test_compile_backend_loads_warm_and_matches_eager(tiny_models):
         r.release()
     assert serve(m.model).max_step_tokens == 9  # exact by default: k is capped at 8
     assert draft(m.model).max_step_tokens is None
+
+
+def test_exact_eager_rows_are_bit_identical_to_one_token_steps(tiny_models):
+    """The eager runner's exact mode pads with dummy tokens and cuts them from the DynamicCache."""
+    model = copy.deepcopy(tiny_models["tiny"].model).to(torch.bfloat16)
+    r = EagerRunner(model, exact=True)
+    r.forward(list(range(30, 60)), logits=False)
+    base = r.length
+    block = r.forward([5, 6, 7, 8])
+    assert r.length == base + 4
+    r.crop(base)
+    for j, tok in enumerate([5, 6, 7, 8]):
+        assert torch.equal(r.forward([tok])[0], block[j])
+    assert r.length == base + 4
+    assert r.max_step_tokens == 9 and EagerRunner(model).max_step_tokens is None
