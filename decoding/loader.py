@@ -7,10 +7,9 @@ model (built on first use), a local Hugging Face directory, a local ``.gguf`` fi
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,13 +36,14 @@ class ModelSpec:
     # `tensorrt` extra); auto: compile on CUDA (cuda_graphs if compiling fails), eager on a CPU
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
-    # run every decode and verification step at one padded width (decoding.runner.EXACT_WIDTH), so
-    # greedy speculation is token-identical to target-only decoding in bf16 too; off: identical up to
-    # rounding ties. None: on, except where a padded step costs several steps (see exact_default).
+    # static backends: run every decode and verification step at one padded width
+    # (decoding.runner.EXACT_WIDTH), so greedy speculation is token-identical to target-only decoding
+    # in bf16 too; false: faster target-only decode on a GPU, identical up to rounding ties. None: on.
     exact: bool | None = None
 
 
 BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt")
+STATIC_CONTEXT = 8192  # static backends' default max_context (attention reads the whole cache each step)
 
 
 def resolve(source: str, pull: bool = True) -> tuple[Path | str, str | None]:
@@ -101,10 +101,13 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
-    config_ctx = getattr(model.config, "max_position_embeddings", None) or 4096
-    max_context = spec.max_context or int(config_ctx)
+    config_ctx = int(getattr(model.config, "max_position_embeddings", None) or 4096)
+    backend = resolve_backend(spec, device, dtype)
+    # a static cache is attended over whole at every step: unset, it holds up to STATIC_CONTEXT tokens
+    static_cap = STATIC_CONTEXT if backend not in ("eager", "tensorrt") else config_ctx
+    max_context = spec.max_context or min(config_ctx, static_cap)
     eos = _eos_ids(model, tokenizer)
-    factory, draft_factory = runner_factories(spec, model, device, max_context)
+    factory, draft_factory = runner_factories(replace(spec, backend=backend), model, device, max_context)
     log.info("loaded %s from %s on %s/%s in %.1fs", spec.name, where, device, dtype, time.perf_counter() - t0)
     return LoadedModel(
         name=spec.name,
@@ -122,16 +125,9 @@ def runner_factories(
     spec: ModelSpec, model: PreTrainedModel, device: torch.device, max_context: int
 ) -> tuple[RunnerFactory, RunnerFactory]:
     """The runner factory for serving the model, and the one for drafting with it."""
-    backend = spec.backend
-    if backend not in BACKENDS:
-        raise ModelLoadError(
-            f"model '{spec.name}': unknown backend '{backend}' (one of {', '.join(BACKENDS)})"
-        )
-    if backend == "auto":
-        backend = "compile" if device.type == "cuda" else "eager"
-    exact = spec.exact if spec.exact is not None else exact_default(device, model.dtype)
+    backend = resolve_backend(spec, device, model.dtype)
     if backend == "eager":
-        return functools.partial(EagerRunner, exact=exact), EagerRunner
+        return EagerRunner, EagerRunner
     if backend == "tensorrt":
         from decoding.trt import tensorrt_runner_factory
 
@@ -148,7 +144,7 @@ def runner_factories(
             slots=spec.slots,
             graphs=backend in ("cuda_graphs", "compile"),  # StaticModel captures graphs on CUDA only
             compile_step=compile_step,
-            exact=exact,
+            exact=spec.exact is not False,
         )
 
     static = static_model(backend == "compile")
@@ -176,14 +172,22 @@ def cpu_bf16_features() -> list[str]:
     return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
 
 
-def exact_default(device: torch.device, dtype: torch.dtype) -> bool:
-    """Exact mode wherever a padded step costs about one step: GPUs, float32, and CPUs with bf16
-    matrix instructions (measured: 9 rows cost 0.99x one row on an AVX512-BF16 EPYC). Not on a CPU
-    without them, where torch runs a low-precision GEMM of M rows as M passes (9 rows would cost 9
-    steps); there every row is computed by the 1-row kernel anyway, so steps agree without padding."""
-    if device.type != "cpu" or dtype == torch.float32:
-        return True
-    return bool(cpu_bf16_features())
+def resolve_backend(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: compile on CUDA, eager on a CPU.
+
+    On a CPU the eager backend's greedy speculation is token-identical to target-only decoding only
+    up to rounding ties where torch computes a 1-row and a multi-row low-precision GEMM with different
+    kernels (CPUs with bf16 matrix instructions; seen on an AVX512-BF16 EPYC). ``static`` with exact
+    mode is bit-identical there, but a CPU pays for attending over the whole static cache (a 1.5B step:
+    163 ms at 1K context, 295 ms at 8K, eager 161 ms), so it is a choice, not the default.
+    """
+    if spec.backend not in BACKENDS:
+        raise ModelLoadError(
+            f"model '{spec.name}': unknown backend '{spec.backend}' (one of {', '.join(BACKENDS)})"
+        )
+    if spec.backend != "auto":
+        return spec.backend
+    return "compile" if device.type == "cuda" else "eager"
 
 
 def _eos_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -42,44 +42,32 @@ class SequenceRunner(Protocol):
     def release(self) -> None: ...
 
 
-# Exact mode's step width: every step of up to this many tokens (a decode, a verification of k <= 8
-# drafted tokens) runs as this many rows. GEMM and attention libraries pick different kernels for one
-# row and for several, whose low-precision rounding differs, so a verification row and a 1-token
-# step can disagree where the target's top two logits tie; at one width every row meets the same
-# kernels and greedy speculation is token-identical to target-only decoding.
+# Exact mode's step width (static backends): every step of up to this many tokens (a decode, a
+# verification of k <= 8 drafted tokens) runs as this many rows. GEMM and attention libraries pick
+# different kernels for one row and for several, whose low-precision rounding differs, so a
+# verification row and a 1-token step can disagree where the target's top two logits tie; at one
+# width, over a cache of one length, every row meets the same kernels and greedy speculation is
+# token-identical to target-only decoding. (Padding the eager runner is not enough: its attention
+# reads a cache whose length moves with the row's place in the step, and rounds accordingly.)
 EXACT_WIDTH = 9
 
 
 class EagerRunner:
-    def __init__(self, model: PreTrainedModel, prefill_chunk: int = 512, exact: bool = False):
+    def __init__(self, model: PreTrainedModel, prefill_chunk: int = 512):
         self.model = model
         self.device = model.device
         self.cache = DynamicCache(config=model.config)
         self._length = 0
         self.prefill_chunk = prefill_chunk
         self._cache_kw = cache_kwarg(model)
-        self.exact = exact
 
     @property
     def length(self) -> int:
         return self._length
 
-    @property
-    def max_step_tokens(self) -> int | None:
-        return EXACT_WIDTH if self.exact else None
-
     @torch.inference_mode()
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
         ids_all = as_ids(tokens, self.device)
-        n = ids_all.shape[0]
-        if self.exact and n <= EXACT_WIDTH:
-            # dummy rows after the real ones (causal: no real row sees them), then cut from the cache
-            out = self._forward(torch.nn.functional.pad(ids_all, (0, EXACT_WIDTH - n)), logits=True)
-            self.crop(self._length - EXACT_WIDTH + n)
-            return out[:n] if logits and out is not None else None
-        return self._forward(ids_all, logits)
-
-    def _forward(self, ids_all: torch.Tensor, logits: bool) -> torch.Tensor | None:
         outs = []
         # Chunked prefill bounds peak activation memory on long prompts, and a prefill keeps one
         # row of logits: [T, 151936] float32 for a long prompt would be gigabytes.

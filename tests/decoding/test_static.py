@@ -157,11 +157,12 @@ def test_exact_speculation_in_bf16_equals_target_only(tiny_models):
         assert stats.spec_steps > 0
 
 
-
 def test_compile_backend_loads_warm_and_matches_eager(tiny_models):
     """`backend: compile` through the loader compiles at load (warm) and serves what eager serves."""
     m = tiny_models["tiny"]
-    serve, draft = runner_factories(ModelSpec("x", "tiny-random", backend="compile", slots=2), m.model, m.device, 128)
+    serve, draft = runner_factories(
+        ModelSpec("x", "tiny-random", backend="compile", slots=2), m.model, m.device, 128
+    )
     ids = list(range(10, 40))
     for factory in (serve, draft):
         r = factory(m.model)
@@ -171,16 +172,17 @@ def test_compile_backend_loads_warm_and_matches_eager(tiny_models):
     assert draft(m.model).max_step_tokens is None
 
 
-def test_exact_eager_rows_are_bit_identical_to_one_token_steps(tiny_models):
-    """The eager runner's exact mode pads with dummy tokens and cuts them from the DynamicCache."""
-    model = copy.deepcopy(tiny_models["tiny"].model).to(torch.bfloat16)
-    r = EagerRunner(model, exact=True)
-    r.forward(list(range(30, 60)), logits=False)
-    base = r.length
-    block = r.forward([5, 6, 7, 8])
-    assert r.length == base + 4
-    r.crop(base)
-    for j, tok in enumerate([5, 6, 7, 8]):
-        assert torch.equal(r.forward([tok])[0], block[j])
-    assert r.length == base + 4
-    assert r.max_step_tokens == 9 and EagerRunner(model).max_step_tokens is None
+def test_auto_backend_and_the_static_context_cap(tiny_models, monkeypatch):
+    from decoding import loader
+
+    monkeypatch.setattr(loader, "STATIC_CONTEXT", 256)  # below tiny-random's 4096 positions
+
+    spec = ModelSpec("x", "tiny-random")
+    assert loader.resolve_backend(spec, torch.device("cpu"), torch.bfloat16) == "eager"
+    assert loader.resolve_backend(spec, torch.device("cuda"), torch.bfloat16) == "compile"
+    with pytest.raises(ModelLoadError, match="unknown backend"):
+        loader.resolve_backend(replace(spec, backend="warp"), torch.device("cpu"), torch.float32)
+    m = loader.load(replace(spec, backend="static", dtype="float32"))
+    assert m.max_context == 256
+    assert m.runner_factory(m.model).max_step_tokens == 9
+    assert loader.load(replace(spec, dtype="float32")).max_context == 4096  # eager: the model's own
