@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -130,7 +130,11 @@ def _shares(view: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 def _norm_weight(module: nn.Module | None) -> torch.Tensor | None:
-    return None if module is None else module.weight.detach()
+    if module is None:
+        return None
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.detach()
 
 
 def layer_weights(model: PreTrainedModel) -> list[LayerWeights]:
@@ -176,7 +180,7 @@ def check_supported(model: PreTrainedModel, max_len: int) -> None:
 #  - no automatic dynamic shapes: the draft and target share the layer's code, and a second model's
 #    different hidden size must get its own static compile, not turn D into a symbol for both;
 #  - a recompile limit that fits several models x {T=1, T dynamic}.
-_DYNAMO = dict(automatic_dynamic_shapes=False, recompile_limit=64)
+_DYNAMO: dict[str, Any] = dict(automatic_dynamic_shapes=False, recompile_limit=64)
 
 
 class StaticModel:
@@ -252,6 +256,7 @@ class StaticModel:
             # our CUDA graphs are the graphs: inductor's own (mode="reduce-overhead") are not used
             layer = torch.compile(decoder_layer, fullgraph=True, dynamic=False)
         self._layer = layer
+        self.step_override: Callable[..., torch.Tensor] | None = None  # another compiler's whole step (trt.py)
 
     # ---- slots ------------------------------------------------------------------------------
 
@@ -277,6 +282,8 @@ class StaticModel:
 
     def _step(self, slot: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """ids, pos: [T] -> logits [T, V]. Writes K/V for ``pos`` into the slot's cache."""
+        if self.step_override is not None:
+            return self.step_override(slot, ids, pos)
         if not self.compiled:
             return self._forward(slot, ids, pos)
         with torch._dynamo.config.patch(**_DYNAMO):
