@@ -104,7 +104,7 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     config_ctx = int(getattr(model.config, "max_position_embeddings", None) or 4096)
     backend = resolve_backend(spec, device, dtype)
     # a static cache is attended over whole at every step: unset, it holds up to STATIC_CONTEXT tokens
-    static_cap = STATIC_CONTEXT if backend not in ("eager", "tensorrt") else config_ctx
+    static_cap = STATIC_CONTEXT if backend != "eager" else config_ctx  # tensorrt runs on the static cache too
     max_context = spec.max_context or min(config_ctx, static_cap)
     eos = _eos_ids(model, tokenizer)
     factory, draft_factory = runner_factories(replace(spec, backend=backend), model, device, max_context)

@@ -2,7 +2,7 @@
 after a verification rejects drafted tokens.
 
 The eager runner uses transformers' DynamicCache (``crop`` cuts it back). The CUDA fast path
-(``decoding.fast``) provides the same three methods over a static cache captured in CUDA graphs.
+(``decoding.static``) provides the same methods over a static cache captured in CUDA graphs.
 """
 
 from __future__ import annotations

@@ -141,6 +141,11 @@ def layer_weights(model: PreTrainedModel) -> list[LayerWeights]:
     out = []
     for layer in model.model.layers:
         a, mlp = layer.self_attn, layer.mlp
+        if any(m.bias is not None for m in (a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            # the layer below has biases only on q/k/v (Qwen2); dropping others would be silently wrong
+            raise ModelLoadError(
+                "static backends support q/k/v biases only (attention_bias/mlp_bias): use backend 'eager'"
+            )
         qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
         gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
         out.append(
@@ -243,7 +248,6 @@ class StaticModel:
         # kernels, shapes and reduction orders whether it is a 1-token decode or one row of a
         # (k+1)-token verification (cuBLAS and attention pick different kernels for 1 row and 9).
         self.exact = exact  # the default for runners; a drafting runner never needs it
-        self.pad = max_graph_tokens
         self._graphs: dict[tuple[int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
         # models: freeing one model's graphs must not pull memory from under another's.
@@ -256,7 +260,9 @@ class StaticModel:
             # our CUDA graphs are the graphs: inductor's own (mode="reduce-overhead") are not used
             layer = torch.compile(decoder_layer, fullgraph=True, dynamic=False)
         self._layer = layer
-        self.step_override: Callable[..., torch.Tensor] | None = None  # another compiler's whole step (trt.py)
+        self.step_override: Callable[..., torch.Tensor] | None = (
+            None  # another compiler's whole step (trt.py)
+        )
 
     # ---- slots ------------------------------------------------------------------------------
 
@@ -312,7 +318,7 @@ class StaticModel:
         pos = self.positions[start : start + n]
         if n > self.max_graph_tokens:  # prefill chunks
             return self._step(slot, ids, pos)
-        rows = self.pad if exact else n
+        rows = self.max_graph_tokens if exact else n
         if rows > n:  # exact: dummy rows at the scratch tail, which no real row attends to
             pos = torch.cat([pos, self.positions[self.max_len + n : self.max_len + rows]])
             ids = F.pad(ids, (0, rows - n))
@@ -338,7 +344,7 @@ class StaticModel:
 
     def capture(self, token_counts: range) -> None:
         """Capture graphs ahead of the first request (otherwise on first use)."""
-        counts = set(token_counts) | ({self.pad} if self.exact else set())
+        counts = set(token_counts) | ({self.max_graph_tokens} if self.exact else set())
         for slot in range(len(self.kv_cache)):
             for T in counts:
                 if self.graphs_enabled and (slot, T) not in self._graphs:
@@ -383,7 +389,7 @@ class StaticRunner:
     @property
     def max_step_tokens(self) -> int | None:
         """Exact mode: the most tokens one step can take and stay bit-identical to 1-token steps."""
-        return self.m.pad if self.exact else None
+        return self.m.max_graph_tokens if self.exact else None
 
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
         ids = as_ids(tokens, self.m.device)

@@ -5,8 +5,8 @@ TensorRT. The static-cache forward (``decoding.static``) is compiled by Torch-Te
 front end for each step shape; the KV cache stays a torch buffer the engine shares with the graph.
 
 Not run on this project's machines: TensorRT's wheels do not fit the GPU machine's transfer limit,
-so this backend is untested here (docs/benchmarks.md says so). The CUDA-graph backend
-(``backend: cuda_graphs``) is what was measured.
+so this backend is untested here (docs/benchmarks.md says so). The CUDA-graph and compiled backends
+(``backend: cuda_graphs`` / ``compile``) are what was measured.
 """
 
 from __future__ import annotations

@@ -186,3 +186,11 @@ def test_auto_backend_and_the_static_context_cap(tiny_models, monkeypatch):
     assert m.max_context == 256
     assert m.runner_factory(m.model).max_step_tokens == 9
     assert loader.load(replace(spec, dtype="float32")).max_context == 4096  # eager: the model's own
+
+
+def test_biases_the_static_layer_does_not_apply_are_refused(tiny_models):
+    model = copy.deepcopy(tiny_models["tiny"].model)
+    o = model.model.layers[0].self_attn.o_proj
+    o.bias = torch.nn.Parameter(torch.zeros(o.out_features))
+    with pytest.raises(ModelLoadError, match="q/k/v biases only"):
+        StaticModel(model, max_len=64, slots=1, graphs=False)
