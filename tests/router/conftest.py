@@ -50,6 +50,10 @@ class FakeUpstream:
     def script(self, actions: list[dict[str, object]]) -> None:
         httpx.post(f"http://127.0.0.1:{self.port}/_script", json=actions, timeout=5).raise_for_status()
 
+    def release(self) -> None:
+        """Let a stream scripted with `"hold": true` go on."""
+        httpx.post(f"http://127.0.0.1:{self.port}/_release", timeout=5).raise_for_status()
+
     def seen(self) -> list[dict[str, object]]:
         r = httpx.get(f"http://127.0.0.1:{self.port}/_seen", timeout=5)
         r.raise_for_status()

@@ -2,7 +2,8 @@
 
 A small Starlette app served by uvicorn in its own process, so tests talk to it over loopback and
 can kill it. Each completion request takes the next action from a script posted to `/_script`
-(default: a normal answer). Streams are written in our exact wire format, each event in several
+(default: a normal answer; `"hold": true` stops a stream after its first content event until a POST
+to `/_release`). Streams are written in our exact wire format, each event in several
 pieces split inside a multi-byte character and between the two newlines, to exercise the parser.
 """
 
@@ -52,9 +53,14 @@ def events(model: str, texts: list[str], error_after: int | None) -> list[bytes]
     return out
 
 
-async def pieces(evs: list[bytes], delay: float) -> AsyncIterator[bytes]:
+released = asyncio.Event()  # set by POST /_release: a held stream goes on
+
+
+async def pieces(evs: list[bytes], delay: float, hold: bool = False) -> AsyncIterator[bytes]:
     yield b": keep-alive\n\n"
-    for ev in evs:
+    for i, ev in enumerate(evs):
+        if hold and i == 2:  # after the role and the first content event: stay in flight until released
+            await released.wait()
         # Split inside the event: 1 byte into a multi-byte character when there is one, and between "\n\n".
         cut = next((i + 1 for i, b in enumerate(ev) if b >= 0x80), len(ev) // 2)
         for part in (ev[:cut], ev[cut:-1], ev[-1:]):
@@ -83,7 +89,8 @@ async def completions(request: Request) -> Response:
                                           "logprobs": None, "finish_reason": "stop"}],
                              "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})  # fmt: skip
     evs = events(body["model"], texts, action.get("error_after"))
-    return StreamingResponse(pieces(evs, action.get("delay", 0.0)), media_type="text/event-stream")
+    body_iter = pieces(evs, action.get("delay", 0.0), action.get("hold", False))
+    return StreamingResponse(body_iter, media_type="text/event-stream")
 
 
 async def raw(request: Request) -> Response:
@@ -94,6 +101,12 @@ async def raw(request: Request) -> Response:
 async def set_script(request: Request) -> Response:
     script[:] = await request.json()
     seen.clear()
+    released.clear()
+    return JSONResponse({"ok": True})
+
+
+async def release(request: Request) -> Response:
+    released.set()
     return JSONResponse({"ok": True})
 
 
@@ -109,6 +122,7 @@ app = Starlette(routes=[
     Route("/v1/chat/completions", completions, methods=["POST"]),
     Route("/_raw", raw),
     Route("/_script", set_script, methods=["POST"]),
+    Route("/_release", release, methods=["POST"]),
     Route("/_seen", get_seen),
     Route("/health", health),
 ])  # fmt: skip
