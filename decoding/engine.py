@@ -151,7 +151,7 @@ class Engine:
         seeded_sampling = request.params.seed is not None and not request.params.greedy
         runner = target.runner_factory(target.model)
         # an exact static runner keeps a step bit-identical to 1-token steps up to its padded width
-        step_limit = getattr(runner, "max_step_tokens", None)
+        step_limit = runner.max_step_tokens
         controller = SpecController(
             k_max=min(request.spec.max_k, step_limit - 1) if step_limit else request.spec.max_k,
             adaptive=request.spec.adaptive and not seeded_sampling,

@@ -35,6 +35,11 @@ class SequenceRunner(Protocol):
         of tokens is used where it is, without a host sync."""
         ...
 
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most tokens one step may take (exact mode: more would round differently); None: any."""
+        ...
+
     def crop(self, length: int) -> None:
         """Forget everything after the first ``length`` cached tokens."""
         ...
@@ -64,6 +69,10 @@ class EagerRunner:
     @property
     def length(self) -> int:
         return self._length
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        return None  # no exact mode here (see EXACT_WIDTH)
 
     @torch.inference_mode()
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
