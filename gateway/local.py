@@ -72,7 +72,9 @@ class LocalBackend:
 
     async def start(self, job: Job) -> Generation:
         tok = self.tokenizer(job.model)
-        prompts = self._prompts(job, tok)
+        # The chat template (jinja, in Python) and tokenizing a long prompt take milliseconds to
+        # tens of them: off the event loop, so other requests' streams keep flowing meanwhile.
+        prompts = await asyncio.to_thread(self._prompts, job, tok)
         reqs = self._requests(job, prompts)
         for r in reqs:
             self.engine.engine.check(r)  # unknown model, empty or too long prompt: before any work

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -175,6 +176,22 @@ async def test_overload_is_an_immediate_503(tiny_models: Any) -> None:
         assert r.json()["error"]["code"] == "overloaded"
     finally:
         engine.shutdown()
+
+
+async def test_prompts_are_tokenised_off_the_event_loop(tiny_engine: AsyncEngine, monkeypatch: Any) -> None:
+    tok = tiny_engine.engine.model("tiny").tokenizer
+    threads: list[int] = []
+    real = tok.apply_chat_template
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", spy)
+    async with client(create_app(settings(), engine=tiny_engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2})
+    assert r.status_code == 200
+    assert threads and threading.get_ident() not in threads  # the loop's thread never ran the template
 
 
 class Conversation:
