@@ -29,9 +29,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.async_engine import AsyncEngine
 from gateway import protocol, serving
+from gateway.cache.breaker import CircuitBreaker
 from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, error_response, to_api_error, unavailable
-from gateway.limits import RateLimiter
+from gateway.limits import RateLimiter, RedisBuckets
 from gateway.local import LocalBackend
 from gateway.observability import Observability
 from gateway.remote import RoutingService
@@ -247,6 +248,17 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
+def rate_limiter(settings: Settings) -> RateLimiter:
+    """Per-key buckets in this process, or in the cache's Redis (one limit across replicas)."""
+    limits, cache = settings.limits, settings.cache
+    shared = None
+    use_redis = limits.shared if limits.shared is not None else cache.redis_url is not None
+    if use_redis and cache.redis_url is not None and (limits.rpm is not None or limits.tpm is not None):
+        breaker = CircuitBreaker(cache.breaker_failures, cache.breaker_cooldown_s, what="rate limits")
+        shared = RedisBuckets(cache.redis_url, cache.key_prefix, cache.timeout_ms / 1000, breaker)
+    return RateLimiter(limits.rpm, limits.tpm, shared)
+
+
 def create_app(
     settings: Settings,
     engine: AsyncEngine | None = None,
@@ -259,7 +271,7 @@ def create_app(
     obs = observability or Observability(settings.observability, models=[m.name for m in settings.models])
     state = GatewayState(
         settings=settings,
-        limiter=RateLimiter(settings.limits.rpm, settings.limits.tpm),
+        limiter=rate_limiter(settings),
         registry=obs.metrics.registry,
         metrics=obs.metrics,
     )
@@ -286,6 +298,7 @@ def create_app(
         if owned:
             obs.shutdown()  # flushes batched spans
         await routing.aclose()
+        await state.limiter.aclose()
         if state.cache is not None:
             await state.cache.close()
 

@@ -3,17 +3,29 @@
 Rate limits are token buckets per tenant, refilled continuously. Requests are charged on arrival;
 tokens (prompt + completion) once a response is done, because the completion length is unknown
 before. A tenant whose token bucket is empty or in debt is refused until it refills, as OpenAI does.
+
+The buckets live in this process, or in Redis when one is configured, so that N gateway replicas
+enforce one limit and not N (``RedisBuckets``). A Redis that fails or is slow costs a request
+nothing: the limiter falls back to this process's buckets for the call (fail open, but still
+limited), and a circuit breaker skips Redis until it answers again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 from starlette.requests import Request
 
+from gateway.cache.breaker import CircuitBreaker
 from gateway.errors import APIError
 
 
@@ -40,80 +52,217 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 @dataclass
+class Decision:
+    """One admission: seconds to wait (0: admitted, and the request was charged) and each
+    bucket's level afterwards ("requests", "tokens")."""
+
+    wait: float
+    levels: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class _Bucket:
     capacity: float
     level: float
     stamp: float
 
     def refill(self, now: float) -> None:
-        rate = self.capacity / 60.0  # per second
-        self.level = min(self.capacity, self.level + (now - self.stamp) * rate)
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.capacity / 60.0)
         self.stamp = now
 
-    def seconds_until(self, amount: float) -> float:
-        """Seconds until ``amount`` is available (0 when it is)."""
-        missing = amount - self.level
-        return 0.0 if missing <= 0 else missing / (self.capacity / 60.0)
+
+def _wait(capacity: float, level: float) -> float:
+    """Seconds until one unit is available in a bucket refilled at capacity per minute."""
+    return 0.0 if level >= 1 else (1 - level) / (capacity / 60.0)
+
+
+class LocalBuckets:
+    """The buckets of this process."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self._lock = threading.Lock()
+        self._now = time.monotonic
+
+    def _bucket(self, kind: str, key: str, capacity: int, now: float) -> _Bucket:
+        b = self._buckets.get((kind, key))
+        if b is None:
+            b = self._buckets[(kind, key)] = _Bucket(float(capacity), float(capacity), now)
+        b.refill(now)
+        return b
+
+    def admit(self, key: str, rpm: int | None, tpm: int | None) -> Decision:
+        now = self._now()
+        with self._lock:
+            tokens = self._bucket("tokens", key, tpm, now) if tpm is not None else None
+            requests = self._bucket("requests", key, rpm, now) if rpm is not None else None
+            wait = max(
+                _wait(tpm, tokens.level) if tokens is not None and tpm is not None else 0.0,
+                _wait(rpm, requests.level) if requests is not None and rpm is not None else 0.0,
+            )
+            if wait == 0 and requests is not None:
+                requests.level -= 1
+            levels = {k: b.level for k, b in (("requests", requests), ("tokens", tokens)) if b is not None}
+            return Decision(wait, levels)
+
+    def charge(self, key: str, tpm: int, tokens: int) -> None:
+        with self._lock:
+            self._bucket("tokens", key, tpm, self._now()).level -= tokens
+
+
+# The same buckets as LocalBuckets.admit, atomically in Redis, on the server's clock (gateways'
+# clocks differ). KEYS: requests bucket, tokens bucket. ARGV: rpm, tpm (0: no such limit), and
+# "charge": 1 to deduct a request when admitted; a tokens-only call (ARGV[4] > 0) deducts that many
+# tokens unconditionally (a finished response's usage). A bucket is a hash {level, stamp} that
+# expires once it would be full again, so idle tenants cost no memory. Returns wait, levels.
+_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local function load(key, cap)
+  local b = redis.call('HMGET', key, 'level', 'stamp')
+  local level = tonumber(b[1]) or cap
+  local stamp = tonumber(b[2]) or now
+  return math.min(cap, level + math.max(0, now - stamp) * cap / 60)
+end
+local function store(key, cap, level)
+  redis.call('HSET', key, 'level', tostring(level), 'stamp', tostring(now))
+  redis.call('EXPIRE', key, math.ceil((cap - level) * 60 / cap) + 1)
+end
+local rpm, tpm, charge, spend = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local wait, rl, tl = 0, -1, -1
+if tpm > 0 then
+  tl = load(KEYS[2], tpm)
+  if spend > 0 then
+    tl = tl - spend
+    store(KEYS[2], tpm, tl)
+    return {'0', tostring(rl), tostring(tl)}
+  end
+  if tl < 1 then wait = math.max(wait, (1 - tl) * 60 / tpm) end
+end
+if rpm > 0 then
+  rl = load(KEYS[1], rpm)
+  if rl < 1 then wait = math.max(wait, (1 - rl) * 60 / rpm) end
+  if wait == 0 and charge then rl = rl - 1 end
+  store(KEYS[1], rpm, rl)
+end
+return {tostring(wait), tostring(rl), tostring(tl)}
+"""
+
+
+class LimitsUnavailable(Exception):
+    """Redis refused, timed out or the circuit is open: this call uses the local buckets."""
+
+
+class RedisBuckets:
+    """Buckets shared by every gateway on one Redis. Keys: ``<prefix>:rl:{<tenant>}:requests`` and
+    ``...:tokens`` (a tenant's two keys share a cluster slot, as the script needs)."""
+
+    def __init__(self, url: str, prefix: str, timeout_s: float, breaker: CircuitBreaker):
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.breaker = breaker
+        self.client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # a retry would double the budget: fall back instead
+            retry_on_timeout=False,
+        )
+        self.script = self.client.register_script(_LUA)
+
+    def keys(self, tenant: str) -> list[str]:
+        return [f"{self.prefix}:rl:{{{tenant}}}:{kind}" for kind in ("requests", "tokens")]
+
+    async def _run(self, tenant: str, *args: int) -> list[float]:
+        if not self.breaker.allow():
+            raise LimitsUnavailable("circuit open")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                out = await self.script(keys=self.keys(tenant), args=list(args))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.breaker.failure()
+            raise LimitsUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        self.breaker.success()
+        return [float(x) for x in out]
+
+    async def admit(self, key: str, rpm: int | None, tpm: int | None) -> Decision:
+        wait, rl, tl = await self._run(key, rpm or 0, tpm or 0, 1, 0)
+        levels = {k: v for k, v, limit in (("requests", rl, rpm), ("tokens", tl, tpm)) if limit is not None}
+        return Decision(wait, levels)
+
+    async def charge(self, key: str, tpm: int, tokens: int) -> None:
+        await self._run(key, 0, tpm, 0, tokens)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 class RateLimiter:
-    def __init__(self, rpm: int | None, tpm: int | None):
+    def __init__(self, rpm: int | None, tpm: int | None, shared: RedisBuckets | None = None):
         self.rpm = rpm
         self.tpm = tpm
-        self._requests: dict[str, _Bucket] = {}
-        self._tokens: dict[str, _Bucket] = {}
-        self._lock = threading.Lock()
-        self._now = time.monotonic
+        self.local = LocalBuckets()
+        self.shared = shared
+        self._pending: set[asyncio.Task[None]] = set()  # token charges on their way to Redis
 
     @property
     def enabled(self) -> bool:
         return self.rpm is not None or self.tpm is not None
 
-    def _bucket(self, table: dict[str, _Bucket], key: str, capacity: int, now: float) -> _Bucket:
-        b = table.get(key)
-        if b is None:
-            b = table[key] = _Bucket(float(capacity), float(capacity), now)
-        b.refill(now)
-        return b
-
-    def admit(self, key: str) -> dict[str, str]:
+    async def admit(self, key: str) -> dict[str, str]:
         """Charge one request; raise 429 if the tenant is over either limit. Returns headers."""
-        now = self._now()
-        with self._lock:
-            headers: dict[str, str] = {}
-            wait = 0.0
-            if self.tpm is not None:
-                t = self._bucket(self._tokens, key, self.tpm, now)
-                wait = max(wait, t.seconds_until(1))
-                headers |= _headers("tokens", self.tpm, t)
-            if self.rpm is not None:
-                r = self._bucket(self._requests, key, self.rpm, now)
-                wait = max(wait, r.seconds_until(1))
-                if wait == 0:
-                    r.level -= 1
-                headers |= _headers("requests", self.rpm, r)
-            if wait > 0:
-                headers["Retry-After"] = str(max(1, math.ceil(wait)))
-                raise APIError(
-                    429,
-                    f"Rate limit reached for this API key; retry in {wait:.1f}s.",
-                    "rate_limit_error",
-                    code="rate_limit_exceeded",
-                    headers=headers,
-                )
-            return headers
+        decision = None
+        if self.shared is not None:
+            # on failure the breaker logs it, and this process's buckets limit meanwhile
+            with contextlib.suppress(LimitsUnavailable):
+                decision = await self.shared.admit(key, self.rpm, self.tpm)
+        if decision is None:
+            decision = self.local.admit(key, self.rpm, self.tpm)
+        headers: dict[str, str] = {}
+        for kind, limit in (("tokens", self.tpm), ("requests", self.rpm)):
+            if limit is not None:
+                headers |= _headers(kind, limit, decision.levels[kind])
+        if decision.wait > 0:
+            headers["Retry-After"] = str(max(1, math.ceil(decision.wait)))
+            raise APIError(
+                429,
+                f"Rate limit reached for this API key; retry in {decision.wait:.1f}s.",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers=headers,
+            )
+        return headers
 
     def charge_tokens(self, key: str, tokens: int) -> None:
+        """A finished response's tokens. Called from the response's last callback, so the Redis
+        write runs as its own task (kept here until done)."""
         if self.tpm is None or tokens <= 0:
             return
-        with self._lock:
-            self._bucket(self._tokens, key, self.tpm, self._now()).level -= tokens
+        if self.shared is None:
+            self.local.charge(key, self.tpm, tokens)
+            return
+        task = asyncio.ensure_future(self._charge_shared(key, self.tpm, tokens))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _charge_shared(self, key: str, tpm: int, tokens: int) -> None:
+        assert self.shared is not None
+        try:
+            await self.shared.charge(key, tpm, tokens)
+        except LimitsUnavailable:
+            self.local.charge(key, tpm, tokens)
+
+    async def aclose(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self.shared is not None:
+            await self.shared.aclose()
 
 
-def _headers(kind: str, limit: int, b: _Bucket) -> dict[str, str]:
-    remaining = max(0, math.floor(b.level - (1 if kind == "requests" else 0)))
+def _headers(kind: str, limit: int, level: float) -> dict[str, str]:
+    remaining = max(0, math.floor(level))
     return {
         f"x-ratelimit-limit-{kind}": str(limit),
         f"x-ratelimit-remaining-{kind}": str(remaining),
-        f"x-ratelimit-reset-{kind}": f"{b.seconds_until(b.capacity):.1f}s",
+        f"x-ratelimit-reset-{kind}": f"{max(0.0, limit - level) * 60.0 / limit:.1f}s",
     }

@@ -131,7 +131,7 @@ async def _serve(
     try:
         if state.backend is None and state.router is None:
             raise unavailable("The models are still loading; retry shortly.", retry, code="loading")
-        headers = state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
+        headers = await state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
         body = await read_body(request, settings.limits.max_body_bytes)
         try:
             req = schema.model_validate_json(body)

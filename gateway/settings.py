@@ -75,6 +75,9 @@ class LimitSettings(_Section):
     max_stops: int = Field(default=4, ge=0)
     rpm: int | None = Field(default=None, ge=1)  # requests per minute per key; None: unlimited
     tpm: int | None = Field(default=None, ge=1)  # tokens (prompt + completion) per minute per key
+    # rpm/tpm buckets in Redis (cache.redis_url), one limit across every gateway replica; None:
+    # shared whenever a Redis is configured. False: each process keeps its own buckets.
+    shared: bool | None = None
     max_active: int = Field(default=4, ge=1)  # requests the engine steps in turn
     max_queued: int = Field(default=32, ge=0)  # beyond this, 503 with Retry-After
     retry_after_s: int = Field(default=1, ge=0)
@@ -108,6 +111,8 @@ class Settings(_Section):
         for m in self.models:
             if m.draft is not None and m.draft not in names:
                 raise ValueError(f"models: '{m.name}' names draft '{m.draft}', which is not configured")
+        if self.limits.shared and self.cache.redis_url is None:
+            raise ValueError("limits.shared needs a Redis: set cache.redis_url (SPECGATE_REDIS_URL)")
         return self
 
 

@@ -25,11 +25,13 @@ class CircuitBreaker:
         cooldown_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[State], None] | None = None,
+        what: str = "cache",  # who is speaking in the log lines
     ):
         self.failures_to_open = failures
         self.cooldown_s = cooldown_s
         self.clock = clock
         self.on_change = on_change
+        self.what = what
         self.state: State = "closed"
         self.failures = 0
         self.opened_at = 0.0
@@ -45,7 +47,7 @@ class CircuitBreaker:
 
     def success(self) -> None:
         if self.state != "closed":
-            log.info("cache: Redis reachable again, circuit closed")
+            log.info("%s: Redis reachable again, circuit closed", self.what)
         self.failures = 0
         self._enter("closed")
 
@@ -54,7 +56,8 @@ class CircuitBreaker:
         if self.state == "half_open" or (self.state == "closed" and self.failures >= self.failures_to_open):
             if self.state == "closed":
                 log.warning(
-                    "cache: Redis failing (%d in a row), circuit open for %.1fs",
+                    "%s: Redis failing (%d in a row), circuit open for %.1fs",
+                    self.what,
                     self.failures,
                     self.cooldown_s,
                 )

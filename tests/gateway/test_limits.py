@@ -1,0 +1,89 @@
+"""Rate limits shared through a real Redis: two gateways (two apps, each with its own limiter and
+Redis client, as two replicas would have) enforce one limit; a dead Redis falls back to each
+process's own buckets instead of failing or going unlimited."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from gateway.app import create_app
+from gateway.settings import SettingsError, load_settings
+from tests.cache.conftest import RedisProcess, free_port
+from tests.gateway.fakes import ScriptedEngine, token_ids
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed")
+    server = RedisProcess(tmp_path_factory.mktemp("redis-limits"))
+    server.start()
+    yield server.url
+    server.stop()
+
+
+def gateway(url: str, prefix: str, **limits: Any) -> Any:
+    s = load_settings(
+        overrides={"limits": limits, "cache": {"enabled": False, "redis_url": url, "key_prefix": prefix}}, env={}
+    )
+    return create_app(s, engine=ScriptedEngine([token_ids("a" * 40)]))  # type: ignore[arg-type]
+
+
+async def post(app: Any, path: str = "/v1/chat/completions") -> httpx.Response:
+    body = {"model": "fake", "messages": MSGS} if "chat" in path else {"model": "fake", "prompt": "x"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        return await c.post(path, json=body)
+
+
+async def test_two_gateways_share_one_request_limit(redis_url: str) -> None:
+    prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
+    a, b = gateway(redis_url, prefix, rpm=3), gateway(redis_url, prefix, rpm=3)
+    try:
+        statuses = [(await post(app)).status_code for app in (a, b, a, b)]
+        assert statuses == [200, 200, 200, 429]  # per process it would be 4 x 200
+        r = await post(a)
+        assert r.status_code == 429 and r.headers["x-ratelimit-remaining-requests"] == "0"
+        assert int(r.headers["retry-after"]) >= 1
+        keys = redis.Redis.from_url(redis_url).keys(f"{prefix}:rl:*")
+        assert keys and all(redis.Redis.from_url(redis_url).ttl(k) > 0 for k in keys)  # idle buckets expire
+    finally:
+        for app in (a, b):
+            await app.state.gateway.limiter.aclose()
+
+
+async def test_tokens_spent_on_one_gateway_count_on_the_other(redis_url: str) -> None:
+    prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
+    a, b = gateway(redis_url, prefix, tpm=30), gateway(redis_url, prefix, tpm=30)
+    try:
+        assert (await post(a, "/v1/completions")).status_code == 200  # 40 completion tokens: in debt
+        await a.state.gateway.limiter.aclose()  # waits for the charge on its way to Redis
+        r = await post(b, "/v1/completions")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        await b.state.gateway.limiter.aclose()
+
+
+async def test_dead_redis_falls_back_to_local_buckets() -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    app = gateway(dead, "test-limits-dead", rpm=2)
+    try:
+        statuses = [(await post(app)).status_code for _ in range(3)]
+        assert statuses == [200, 200, 429]  # still limited, by this process's bucket, and no 500
+    finally:
+        await app.state.gateway.limiter.aclose()
+
+
+def test_shared_limits_need_a_redis() -> None:
+    with pytest.raises(SettingsError, match=r"limits\.shared needs a Redis"):
+        load_settings(overrides={"limits": {"rpm": 5, "shared": True}}, env={})
+    s = load_settings(overrides={"limits": {"rpm": 5, "shared": False}, "cache": {"redis_url": "redis://x:1/0"}}, env={})
+    assert create_app(s, engine=ScriptedEngine([token_ids("a")])).state.gateway.limiter.shared is None  # type: ignore[arg-type]
