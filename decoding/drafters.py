@@ -56,9 +56,14 @@ class DraftModelDrafter:
 
     INLINE = 2  # unseen tokens a proposal feeds itself (after a full acceptance: d_k and the bonus)
 
-    def __init__(self, runner: SequenceRunner, device: torch.device):
+    def __init__(self, runner: SequenceRunner, device: torch.device, min_confidence: float = 0.0):
         self.runner = runner
         self.device = device
+        # Stop drafting after a token the draft itself gave less than this probability (as
+        # transformers' assisted generation does): past such a token the next ones are rarely
+        # accepted, and their draft steps are wasted. Reading the probability is a host sync per
+        # drafted token, which a CPU does anyway and a GPU pays as a launch gap (see Engine).
+        self.min_confidence = min_confidence
 
     def catch_up(self, tokens: list[int]) -> None:
         if len(tokens) - self.runner.length > self.INLINE:
@@ -81,17 +86,22 @@ class DraftModelDrafter:
         probs: list[torch.Tensor] = []
         for i in range(k):
             row = apply_penalties(row, counts, row.new_zeros(0, dtype=torch.long), params)
+            check = i < k - 1 and self.min_confidence > 0  # is there a next draft step to skip?
             if params.greedy:
                 tok = row.argmax(-1)  # [1]
+                confidence = row.float().softmax(-1).max() if check else None
             else:
                 p = probs_from_logits(row, params)  # [1, V]
                 tok = sample(p, generator)
                 probs.append(p[0])
+                confidence = p[0, tok] if check else None
             drafted.append(tok)
             if params.penalised:
                 counts[tok] += 1
+            if confidence is not None and float(confidence) < self.min_confidence:
+                break  # the unsure token is still proposed: verifying it costs a row, not a step
             if i < k - 1:
-                out = self.runner.forward(tok)  # stays on the device: no sync per drafted token
+                out = self.runner.forward(tok)  # stays on the device (no sync unless min_confidence)
                 assert out is not None
                 row = out[-1:]
         toks = torch.cat(drafted) if drafted else torch.zeros(0, dtype=torch.long, device=self.device)

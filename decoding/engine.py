@@ -33,6 +33,12 @@ from decoding.verify import verify_greedy, verify_sampling
 
 RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
 
+# SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
+# the probability is read for free (every op is synchronous) and measured on the real pair it pays
+# (docs/benchmarks.md). On a GPU reading it is a host sync per drafted token, a launch gap in the
+# draft's queue; that trade was not measured here, so GPUs keep drafting the chosen k.
+DRAFT_CONFIDENCE = {"cpu": 0.6}
+
 
 @dataclass
 class LoadedModel:
@@ -191,7 +197,10 @@ class Engine:
             return PromptLookupDrafter(target.device, max_ngram=self.ngram_max)
         draft = self.model(target.draft)
         factory = draft.draft_runner_factory or draft.runner_factory
-        return DraftModelDrafter(factory(draft.model), draft.device)
+        confidence = request.spec.draft_confidence
+        if confidence is None:  # a fixed k (adaptive off) stays fixed unless the request says otherwise
+            confidence = DRAFT_CONFIDENCE.get(draft.device.type, 0.0) if request.spec.adaptive else 0.0
+        return DraftModelDrafter(factory(draft.model), draft.device, confidence)
 
     @torch.inference_mode()
     def step(self, seq: Sequence) -> StepOutput:

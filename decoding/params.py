@@ -61,10 +61,16 @@ class SpecParams:
     mode: SpecMode = SpecMode.AUTO
     max_k: int = 8  # upper bound for the adaptive k
     adaptive: bool = True  # False: always propose max_k tokens (benchmarks, tests)
+    # a draft model stops drafting after a token it gave less than this probability (0: never);
+    # None: the engine's default for the draft's device (decoding.engine.DRAFT_CONFIDENCE), or 0
+    # when adaptive is off
+    draft_confidence: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_k <= 32:
             raise ValueError(f"speculative.max_k must be in [1, 32], got {self.max_k}")
+        if self.draft_confidence is not None and not 0 <= self.draft_confidence < 1:
+            raise ValueError(f"speculative.draft_confidence must be in [0, 1), got {self.draft_confidence}")
 
 
 @dataclass(frozen=True)

@@ -170,3 +170,49 @@ def test_penalty_counts_every_accepted_token_including_repeats(tiny_models):
     expected = torch.bincount(completion, minlength=seq.counts.shape[0])
     assert torch.equal(seq.counts, expected)
     seq.release()
+
+
+def _drafted_per_step(engine, model, ids, confidence, **params):
+    spec = SpecParams(SpecMode.DRAFT, max_k=6, adaptive=False, draft_confidence=confidence)
+    req = GenerationRequest("c", model, ids, SamplingParams(max_tokens=30, ignore_eos=True, **params), spec)
+    out, stats, _ = engine.generate(req)
+    return out, stats
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.8, seed=3)])
+def test_draft_confidence_stops_drafting_without_changing_output(tiny_models, params):
+    """A random tiny draft is never 99.99% sure, so with that threshold every proposal stops after
+    its first token; with 0 it drafts the full k. The output is the same either way."""
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[0])
+    full, full_stats = _drafted_per_step(engine, "tiny", ids, 0.0, **params)
+    cut, cut_stats = _drafted_per_step(engine, "tiny", ids, 0.9999, **params)
+    # without the stop every step drafts k = 6 (but the last ones, which never draft past max_tokens)
+    assert len(full_stats.drafted_by_position) == 6 and full_stats.drafted_by_position[0] == full_stats.spec_steps
+    assert full_stats.drafted_by_position[5] >= full_stats.spec_steps - 5
+    assert cut_stats.drafted == cut_stats.spec_steps and len(cut_stats.drafted_by_position) == 1
+    if params["temperature"] == 0:
+        plain, _, _ = run(engine, "tiny", ids, "off", 1, max_tokens=30, temperature=0)
+        assert full == cut == plain
+    else:  # seeded: the stop depends on draft probabilities alone, so the seed still repeats
+        again, _ = _drafted_per_step(engine, "tiny", ids, 0.9999, **params)
+        assert cut == again
+
+
+def test_draft_confidence_default_follows_device_and_adaptive(tiny_models):
+    from decoding.engine import DRAFT_CONFIDENCE
+
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[0])
+
+    def confidence(**spec):
+        req = GenerationRequest("d", "tiny", ids, SamplingParams(max_tokens=4), SpecParams(SpecMode.DRAFT, **spec))
+        seq = engine.start(req)
+        seq.release()
+        return seq.drafter.min_confidence
+
+    assert confidence() == DRAFT_CONFIDENCE["cpu"] > 0
+    assert confidence(adaptive=False) == 0.0  # a fixed k stays fixed
+    assert confidence(adaptive=False, draft_confidence=0.3) == 0.3
+    with pytest.raises(ValueError, match="draft_confidence"):
+        SpecParams(draft_confidence=1.0)

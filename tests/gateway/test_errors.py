@@ -130,6 +130,12 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         "speculative.mode",
     ),
     (
+        "draft confidence of 1",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculative": {"draft_confidence": 1}}',
+        400,
+        "speculative.draft_confidence",
+    ),
+    (
         "top_logprobs without logprobs",
         b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
         400,
