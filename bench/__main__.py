@@ -4,7 +4,7 @@ each writing its own section of docs/benchmarks.md (and its plot).
   - on a CUDA machine: the GPU fast path and speculation at controlled acceptance (``bench.gpu``),
     real architectures at real sizes with random weights;
   - wherever the real pair is in the model store (``make models`` pulls it): the CPU engine benchmark
-    on the real pair (``bench.cpu_engine``).
+    on the real pair (``bench.cpu_engine``) and the draft-confidence sweep (``bench.cpu_confidence``).
 
     python -m bench [--quick]
 """
@@ -33,6 +33,10 @@ def main() -> None:
 
         cpu_engine.main([])
         ran.append("cpu-engine")
+        from bench import cpu_confidence
+
+        cpu_confidence.main([])
+        ran.append("cpu-draft-confidence")
     else:
         print("real pair not in the model store (`make models`): CPU engine benchmark skipped")
     if not ran:
