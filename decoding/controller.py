@@ -45,6 +45,11 @@ class SpecController:
     t_draft: float | None = None  # seconds per drafted token
     t_plain: float | None = None  # seconds per 1-token target step
     t_verify: dict[int, float] = field(default_factory=dict)  # seconds per (k+1)-token verification
+    # the drafter ends its own proposals (a draft-confidence stop): k is then only a cap, and whether
+    # speculation pays is judged on measured speculative steps, not on E(k) for i.i.d. acceptance
+    drafter_stops: bool = False
+    spec_tokens_w: float = 0.0  # decayed tokens and seconds of speculative steps: their ratio is the
+    spec_seconds_w: float = 0.0  # measured rate (a mean of per-step rates would be biased low)
     off_steps: int = 0  # plain steps since the goodput check switched speculation off
     switched_off: bool = False
     steps: int = 0
@@ -123,6 +128,8 @@ class SpecController:
         return best < self.hopeless_margin / self.t_plain
 
     def _best_k(self) -> tuple[int, float]:
+        if self.drafter_stops:
+            return self.k_max, self.spec_tokens_w / self.spec_seconds_w if self.spec_seconds_w else 0.0
         if self.t_draft is None:
             return min(2, self.k_max), 0.0  # the first, measuring step: cheap if it turns out not to pay
         a = self.acceptance
@@ -141,6 +148,8 @@ class SpecController:
             self.t_plain = _ema(self.t_plain, t_target)
             return
         self.t_draft = _ema(self.t_draft, t_draft / k)
+        self.spec_tokens_w = 0.9 * self.spec_tokens_w + accepted + 1
+        self.spec_seconds_w = 0.9 * self.spec_seconds_w + t_draft + t_target
         self.t_verify[k] = _ema(self.t_verify.get(k), t_target)
         # decay old evidence so acceptance tracks the text being generated now
         self.accepted_w = 0.9 * self.accepted_w + accepted

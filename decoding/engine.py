@@ -163,6 +163,7 @@ class Engine:
             adaptive=request.spec.adaptive and not seeded_sampling,
             speculate=drafter is not None,
             draft_cost_prior=self._draft_cost_prior(target, drafter),
+            drafter_stops=isinstance(drafter, DraftModelDrafter) and drafter.min_confidence > 0,
         )
         seq = Sequence(
             request=request,

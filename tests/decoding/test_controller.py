@@ -86,3 +86,14 @@ def test_before_drafting_a_gpu_like_profile_speculates():
     c.observe(0, 0, 0.0, 0.0068)
     assert not c.hopeless()
     assert c.choose_k() > 0
+
+
+def test_a_drafter_that_stops_itself_gets_k_max_and_is_judged_on_measured_steps():
+    """With a draft-confidence stop, k is a cap: the controller offers k_max, and switches
+    speculation off only when measured speculative steps deliver fewer tokens/s than plain ones."""
+    good = SpecController(k_max=8, drafter_stops=True)
+    ks = drive(good, 20, accept_all=True, t_draft=0.01, t_target=0.1)  # 9 tokens per 0.18 s
+    assert ks[0] == 0 and set(ks[1:]) - {0} == {8} and ks[1:].count(0) <= 1
+    bad = SpecController(k_max=8, drafter_stops=True, probe_every=4, min_probe_every=4)
+    ks = drive(bad, 30, accept_all=False, t_draft=0.02, t_target=0.1)  # 1 token per 0.26 s
+    assert ks[10:].count(0) > len(ks[10:]) * 0.6 and any(k == 8 for k in ks[10:])  # off, probing
