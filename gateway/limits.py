@@ -19,13 +19,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
 from gateway.cache.breaker import CircuitBreaker
+from gateway.cache.redis_backend import fail_fast_client
 from gateway.errors import APIError
 
 
@@ -161,13 +159,7 @@ class RedisBuckets:
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.breaker = breaker
-        self.client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # a retry would double the budget: fall back instead
-            retry_on_timeout=False,
-        )
+        self.client = fail_fast_client(url, timeout_s, timeout_s)
         self.script = self.client.register_script(_LUA)
 
     def keys(self, tenant: str) -> list[str]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 
 import pytest
+
+from tests.redis_server import RedisProcess
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -39,3 +43,14 @@ def real_pair():
         ],
         pull=False,
     )
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """One redis-server of our own for the whole run (cache and rate-limit tests use key prefixes)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed")
+    server = RedisProcess(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()

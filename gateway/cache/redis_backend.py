@@ -35,6 +35,19 @@ from gateway.cache.breaker import CircuitBreaker
 T = TypeVar("T")
 
 
+def fail_fast_client(url: str, timeout_s: float, connect_timeout_s: float) -> aioredis.Redis:
+    """redis-py's asyncio client for calls that must fail within a budget rather than retry
+    (its own retries would multiply the timeout): the cache's and the rate limits'."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        health_check_interval=0,
+    )
+
+
 class CacheUnavailable(Exception):
     """Redis refused, timed out or the circuit is open; the request goes on uncached."""
 
@@ -53,14 +66,7 @@ class RedisBackend:
         self.timeout_s = timeout_s
         self.breaker = breaker
         self.on_error = on_error
-        self.client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
+        self.client = fail_fast_client(url, timeout_s, connect_timeout_s)
 
     def _k(self, tag: str, *parts: str) -> str:
         return ":".join((self.prefix, "{" + tag + "}", *parts))

@@ -4,9 +4,7 @@ process's own buckets instead of failing or going unlimited."""
 
 from __future__ import annotations
 
-import shutil
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,20 +13,15 @@ import redis
 
 from gateway.app import create_app
 from gateway.settings import SettingsError, load_settings
-from tests.cache.conftest import RedisProcess, free_port
 from tests.gateway.fakes import ScriptedEngine, token_ids
+from tests.redis_server import RedisProcess, free_port
 
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed")
-    server = RedisProcess(tmp_path_factory.mktemp("redis-limits"))
-    server.start()
-    yield server.url
-    server.stop()
+@pytest.fixture
+def redis_url(redis_server: RedisProcess) -> str:
+    return redis_server.url
 
 
 def gateway(url: str, prefix: str, **limits: Any) -> Any:
