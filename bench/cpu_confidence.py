@@ -1,10 +1,11 @@
 """The draft-confidence stop on the CPU, real pair: how many draft steps it saves and what that buys.
 
 For each prompt of the engine benchmark, greedy, a fixed k (adaptive off, so only the stop varies)
-and each threshold: target steps, drafted tokens and tok/s. Greedy output is checked identical to
-target-only. The counts are exact and repeat run to run; wall time on a shared 2-core VM does not
-(it drifted by 10% between identical runs here), so the table also gives the speedup the counts
-imply at this CPU's measured step costs:
+and each threshold, then the engine's defaults (adaptive k up to the same cap, the CPU's stop):
+target steps, drafted tokens and tok/s. Greedy output is checked identical to target-only. The
+fixed-k counts repeat run to run (the adaptive ones follow measured timings); wall time on a shared
+2-core VM does not (it drifted by 10% between identical runs here), so the table also gives the
+speedup the counts imply at this CPU's measured step costs:
 
     modeled speedup = tokens / (target steps * c_v + drafted tokens * c)
 
@@ -20,10 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cpu_engine import PROMPTS, step_costs
+from bench.cpu_engine import encode_prompts, load_pair, step_costs
 from bench.report import stamp, write_section
 from decoding.engine import DRAFT_CONFIDENCE, Engine
-from decoding.loader import ModelSpec, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
 RESULTS = Path(__file__).with_name("results_cpu_confidence.json")
@@ -35,25 +35,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.0, 0.4, 0.6, 0.8])
     args = ap.parse_args(argv)
-    models = load_all(
-        [
-            ModelSpec("target", "qwen2.5-coder-1.5b", draft="draft", dtype="bfloat16", device="cpu"),
-            ModelSpec("draft", "qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu"),
-        ]
-    )
+    models = load_pair()
     engine = Engine(models)
-    tok = models["target"].tokenizer
-    encoded = {
-        name: list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
-        for name, p in PROMPTS.items()
-    }
+    encoded = encode_prompts(models["target"].tokenizer)
     costs = step_costs(models, encoded["haiku"])
     c = costs["draft_T1"] / costs["target_T1"]
     c_v = costs["target_T5"] / costs["target_T1"]
     print(f"c = {c:.3f}, c_v(4) = {c_v:.3f}", flush=True)
 
-    def run(ids: list[int], mode: SpecMode, threshold: float) -> tuple[list[int], dict[str, Any]]:
-        spec = SpecParams(mode, max_k=args.k, adaptive=False, draft_confidence=threshold)
+    def run(ids: list[int], mode: SpecMode, threshold: float | None) -> tuple[list[int], dict[str, Any]]:
+        # threshold None: the engine's defaults (adaptive k capped at --k, the device's stop)
+        fixed = threshold is not None
+        spec = SpecParams(mode, max_k=args.k, adaptive=not fixed, draft_confidence=threshold)
         req = GenerationRequest("b", "target", ids, SamplingParams(max_tokens=args.new, temperature=0), spec)
         t = time.perf_counter()
         out, stats, _ = engine.generate(req)
@@ -67,12 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     for prompt, ids in encoded.items():
         ref, base = run(ids, SpecMode.OFF, 0.0)
         results[prompt] = {"target-only": base}
-        for th in args.thresholds:
+        for th in [*args.thresholds, None]:
             out, row = run(ids, SpecMode.DRAFT, th)
             row["identical"] = out == ref
             results[prompt][str(th)] = row
-            print(f"{prompt:22s} {th:.1f}: { {k: v for k, v in row.items() if k != 'output'} }", flush=True)
-        differing = [results[prompt][str(th)]["output"] for th in args.thresholds if not results[prompt][str(th)]["identical"]]
+            print(f"{prompt:22s} {th}: { {k: v for k, v in row.items() if k != 'output'} }", flush=True)
+        differing = [r["output"] for t, r in results[prompt].items() if t != "target-only" and not r["identical"]]
         if differing:
             results[prompt]["tie"] = first_difference(models["target"].model, ids, ref, differing[0])
     RESULTS.write_text(json.dumps({"results": results, "costs": costs, "k": args.k}, indent=1))
@@ -95,7 +88,8 @@ def first_difference(model: Any, prompt: list[int], ref: list[int], other: list[
 
 
 def render(results: dict[str, dict[str, Any]], thresholds: list[float], k: int, c: float, c_v: float) -> str:
-    cols = [str(t) for t in thresholds]
+    cols = [*(str(t) for t in thresholds), "None"]
+    names = {**{str(t): f"threshold {t}" for t in thresholds}, "None": "engine default"}
     lines = [
         "## The draft-confidence stop on the CPU",
         "",
@@ -103,11 +97,14 @@ def render(results: dict[str, dict[str, Any]], thresholds: list[float], k: int, 
         "",
         f"Real pair, bf16, greedy, up to 128 new tokens, k = {k} fixed (adaptive off), so only the stop varies: "
         "a proposal ends after a token the draft gave less than the threshold's probability (0: never). "
+        f"`engine default`: what a request gets with `max_k: {k}` and nothing else set (adaptive k, the CPU's "
+        f"stop at {DRAFT_CONFIDENCE['cpu']}; with a stop the controller offers the whole cap and judges "
+        "speculation on its measured tokens/s). Steps include plain ones. "
         "Each cell: drafted tokens / target steps, the speedup over target-only those counts imply at this CPU's "
-        f"step costs (c = {c:.2f}, c_v = {c_v:.2f}), and the measured one in brackets. The counts repeat "
+        f"step costs (c = {c:.2f}, c_v = {c_v:.2f}), and the measured one in brackets. The fixed-k counts repeat "
         "exactly; the wall times of this shared VM drifted by about 10% between identical runs.",
         "",
-        "| prompt | " + " | ".join(f"threshold {t}" for t in cols) + " |",
+        "| prompt | " + " | ".join(names[t] for t in cols) + " |",
         "|---" * (len(cols) + 1) + "|",
     ]
     for prompt, row in results.items():
@@ -123,7 +120,7 @@ def render(results: dict[str, dict[str, Any]], thresholds: list[float], k: int, 
     lines += [
         "",
         "Modeled speedup, median / worst prompt: "
-        + ", ".join(f"threshold {t}: {med[t]:.2f}x / {worst[t]:.2f}x" for t in cols)
+        + ", ".join(f"{names[t]}: {med[t]:.2f}x / {worst[t]:.2f}x" for t in cols)
         + f". The engine's CPU default is {DRAFT_CONFIDENCE['cpu']} (decoding.engine.DRAFT_CONFIDENCE); "
         "GPUs keep it off, unmeasured (reading the probability is a host sync per drafted token there).",
         "",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bench.report import stamp, write_section
-from decoding.engine import Engine
+from decoding.engine import Engine, LoadedModel
 from decoding.loader import ModelSpec, cpu_bf16_features, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
@@ -55,12 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    models = load_all(
-        [
-            ModelSpec("target", "qwen2.5-coder-1.5b", draft="draft", dtype="bfloat16", device="cpu"),
-            ModelSpec("draft", "qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu"),
-        ]
-    )
+    models = load_pair()
     load_s = time.perf_counter() - t0
     engine = Engine(models)
     tok = models["target"].tokenizer
@@ -105,14 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         "transformers assisted": hf(assistant_model=draft),
         "transformers prompt lookup": hf(prompt_lookup_num_tokens=10),
     }
-    encoded = {
-        name: list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-            )["input_ids"]
-        )
-        for name, p in PROMPTS.items()
-    }
+    encoded = encode_prompts(tok)
     costs = step_costs(models, encoded["haiku"])
     print("step costs", costs, flush=True)
     warm = encoded["haiku"][:20]
@@ -140,6 +128,24 @@ def main(argv: list[str] | None = None) -> None:
         json.dumps({"results": results, "names": names, "load_s": load_s, "costs": costs, "exact": exact})
     )
     write_section("cpu-engine", render(results, names, load_s, costs, exact))
+
+
+def load_pair() -> dict[str, LoadedModel]:
+    """The real pair in bf16 on the CPU, the target drafting with the 0.5B."""
+    return load_all(
+        [
+            ModelSpec("target", "qwen2.5-coder-1.5b", draft="draft", dtype="bfloat16", device="cpu"),
+            ModelSpec("draft", "qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu"),
+        ]
+    )
+
+
+def encode_prompts(tok: Any) -> dict[str, list[int]]:
+    """PROMPTS as chat-templated token ids."""
+    return {
+        name: list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
+        for name, p in PROMPTS.items()
+    }
 
 
 def exact_check(
