@@ -102,7 +102,9 @@ def render(results: dict[str, dict[str, Any]], thresholds: list[float], k: int, 
         "speculation on its measured tokens/s). Steps include plain ones. "
         "Each cell: drafted tokens / target steps, the speedup over target-only those counts imply at this CPU's "
         f"step costs (c = {c:.2f}, c_v = {c_v:.2f}), and the measured one in brackets. The fixed-k counts repeat "
-        "exactly; the wall times of this shared VM drifted by about 10% between identical runs.",
+        "exactly; the wall times of this shared VM drifted by about 10% between identical runs. The model leaves "
+        "out per-step overheads (sampling, the engine's Python, the draft's catch-up), so it reads higher than wall "
+        "time: it is for comparing thresholds.",
         "",
         "| prompt | " + " | ".join(names[t] for t in cols) + " |",
         "|---" * (len(cols) + 1) + "|",
