@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.redis_server import RedisProcess
+from tests.servers import RedisProcess
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

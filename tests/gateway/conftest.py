@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from typing import IO
 import httpx
 import pytest
 import yaml
+
+from tests.servers import free_port
 
 API_KEY = "sk-test-key"
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,11 +52,6 @@ class Server:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(tmp: Path, settings: dict[str, object], env: dict[str, str] | None = None) -> Server:

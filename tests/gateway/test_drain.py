@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 
 from tests.gateway.conftest import start_server, stop_server
-from tests.router.conftest import FakeUpstream, free_port
+from tests.router.conftest import FakeUpstream
+from tests.servers import free_port
 
 
 def _stream_into(url: str, body: dict[str, Any], raw: list[str], started: threading.Event) -> threading.Thread:

@@ -14,7 +14,7 @@ import redis
 from gateway.app import create_app
 from gateway.settings import SettingsError, load_settings
 from tests.gateway.fakes import ScriptedEngine, token_ids
-from tests.redis_server import RedisProcess, free_port
+from tests.servers import RedisProcess, free_port
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.servers import free_port
+
 FAKE = Path(__file__).with_name("fake_upstream.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FakeUpstream:

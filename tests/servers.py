@@ -1,4 +1,5 @@
-"""A redis-server of the tests' own on a free port (Debian's package), never a stand-in."""
+"""Local servers for tests: a free port, and a redis-server of the tests' own (Debian's package,
+never a stand-in)."""
 
 from __future__ import annotations
 
