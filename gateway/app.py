@@ -35,6 +35,7 @@ from gateway.errors import APIError, error_response, to_api_error, unavailable
 from gateway.limits import RateLimiter, RedisBuckets
 from gateway.local import LocalBackend
 from gateway.observability import Observability
+from gateway.observability.metrics import Metrics
 from gateway.remote import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
@@ -248,13 +249,19 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
-def rate_limiter(settings: Settings) -> RateLimiter:
+def rate_limiter(settings: Settings, metrics: Metrics) -> RateLimiter:
     """Per-key buckets in this process, or in the cache's Redis (one limit across replicas)."""
     limits, cache = settings.limits, settings.cache
     shared = None
     use_redis = limits.shared if limits.shared is not None else cache.redis_url is not None
     if use_redis and cache.redis_url is not None and (limits.rpm is not None or limits.tpm is not None):
-        breaker = CircuitBreaker(cache.breaker_failures, cache.breaker_cooldown_s, what="rate limits")
+        breaker = CircuitBreaker(
+            cache.breaker_failures,
+            cache.breaker_cooldown_s,
+            on_change=lambda state: metrics.set_circuit_state("rate_limits", state),
+            what="rate limits",
+        )
+        metrics.set_circuit_state("rate_limits", breaker.state)
         shared = RedisBuckets(cache.redis_url, cache.key_prefix, cache.timeout_ms / 1000, breaker)
     return RateLimiter(limits.rpm, limits.tpm, shared)
 
@@ -271,7 +278,7 @@ def create_app(
     obs = observability or Observability(settings.observability, models=[m.name for m in settings.models])
     state = GatewayState(
         settings=settings,
-        limiter=rate_limiter(settings),
+        limiter=rate_limiter(settings, obs.metrics),
         registry=obs.metrics.registry,
         metrics=obs.metrics,
     )

@@ -362,11 +362,12 @@ class Metrics:
         self.redis_errors.labels(op if op in ("get", "set", "search", "evict", "ping") else OTHER).inc()
 
     def set_circuit_state(self, component: str, state: str) -> None:
-        """component: "redis" or an upstream name; state: closed|half_open|open."""
+        """component: "redis" (the cache), "rate_limits" (their Redis) or an upstream name;
+        state: closed|half_open|open."""
         assert state in CIRCUIT_STATES, (
             f"circuit state must be one of {sorted(CIRCUIT_STATES)}, got {state!r}"
         )
-        name = component if component == "redis" else self.upstream_label(component)
+        name = component if component in ("redis", "rate_limits") else self.upstream_label(component)
         self.circuit_state.labels(name).set(CIRCUIT_STATES[state])
 
     # ---- router and upstreams -----------------------------------------------------------------

@@ -68,9 +68,17 @@ async def test_tokens_spent_on_one_gateway_count_on_the_other(redis_url: str) ->
 async def test_dead_redis_falls_back_to_local_buckets() -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     app = gateway(dead, "test-limits-dead", rpm=2)
+    gauge = app.state.metrics.circuit_state  # (the whole registry would also ask the fake engine)
+
+    def circuit() -> float | None:
+        samples = [s for m in gauge.collect() for s in m.samples if s.labels == {"component": "rate_limits"}]
+        return samples[0].value if samples else None
+
     try:
-        statuses = [(await post(app)).status_code for _ in range(3)]
-        assert statuses == [200, 200, 429]  # still limited, by this process's bucket, and no 500
+        assert circuit() == 0  # closed
+        statuses = [(await post(app)).status_code for _ in range(6)]
+        assert statuses == [200, 200, 429, 429, 429, 429]  # still limited, by this process's bucket, and no 500
+        assert circuit() == 2  # five failures in a row opened it: Redis is skipped, and it shows
     finally:
         await app.state.gateway.limiter.aclose()
 
