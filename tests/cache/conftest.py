@@ -12,7 +12,7 @@ import pytest
 
 from decoding.embedder import SentenceEmbedder
 from gateway.cache import CacheSettings, ResponseCache
-from tests.servers import RedisProcess, free_port  # noqa: F401 - tests import them from here
+from tests.servers import RedisProcess
 
 
 @pytest.fixture

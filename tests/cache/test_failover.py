@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from decoding.embedder import SentenceEmbedder
 from gateway.cache import CacheSettings, ResponseCache
 from gateway.cache.breaker import CircuitBreaker
-from tests.cache.conftest import RedisProcess
 from tests.cache.test_cache import chat, get, put
+from tests.servers import RedisProcess
 
 
 def redis_cache(url: str, embedder: SentenceEmbedder, **overrides: object) -> ResponseCache:

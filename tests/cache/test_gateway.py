@@ -15,8 +15,8 @@ from gateway.app import create_app
 from gateway.cache import CacheSettings, ResponseCache
 from gateway.cache.seam import GatewayCache
 from gateway.settings import load_settings
-from tests.cache.conftest import RedisProcess
 from tests.gateway.fakes import ScriptedEngine, token_ids
+from tests.servers import RedisProcess
 
 CHAT = [{"role": "user", "content": "How do I reverse a list in Python?"}]
 GREEDY = {"model": "fake", "messages": CHAT, "temperature": 0}

@@ -20,9 +20,9 @@ from gateway.app import create_app
 from gateway.cache import CacheSettings, ResponseCache
 from gateway.observability import Metrics, Observability
 from gateway.settings import load_settings
-from tests.cache.conftest import RedisProcess
 from tests.cache.test_cache import chat, get, put
 from tests.gateway.fakes import ScriptedEngine, token_ids
+from tests.servers import RedisProcess
 
 SHARED_REDIS = "redis://127.0.0.1:6379/0"
 PROMPT = "How do I reverse a list in Python?"

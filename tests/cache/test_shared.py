@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cache.conftest import RedisProcess
 from tests.gateway.conftest import Server, start_server, stop_server
+from tests.servers import RedisProcess
 
 
 @pytest.fixture
