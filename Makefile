@@ -42,4 +42,5 @@ bench: models
 
 lint: install
 	$(VENV)/bin/ruff check gateway decoding router tests bench
+	$(VENV)/bin/ruff format --check gateway decoding router tests bench
 	$(VENV)/bin/mypy

@@ -148,7 +148,9 @@ def main() -> None:
     )
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--n-full", type=int, default=0, help="generations per slow path (default 50, 3 with --real)")
+    ap.add_argument(
+        "--n-full", type=int, default=0, help="generations per slow path (default 50, 3 with --real)"
+    )
     args = ap.parse_args()
     models, model = (REAL, "qwen2.5-coder-1.5b") if args.real else (TINY, "tiny")
     n_full = args.n_full or (3 if args.real else 50)
@@ -192,7 +194,8 @@ def render(rows: list[tuple[str, str, list[float]]], header: str, load: str, arg
         f"## Cache latency through the gateway{' (real pair)' if args.real else ''}",
         "",
         header,
-        f"Load average (1/5/15 min) at start: {load}." + (f" Redis {version}." if version else " No redis-server found: in-process only."),
+        f"Load average (1/5/15 min) at start: {load}."
+        + (f" Redis {version}." if version else " No redis-server found: in-process only."),
         "",
         f"{what}; in-process cache and then a redis-server of the benchmark's own on localhost; one keep-alive "
         f"httpx client, sequential requests, non-streamed, `max_tokens` {args.max_tokens}, times in ms measured "
@@ -202,7 +205,9 @@ def render(rows: list[tuple[str, str, list[float]]], header: str, load: str, arg
         "|---|---|---|---|---|---|",
     ]
     for name, path, xs in rows:
-        lines.append(f"| {name} | {path} | {len(xs)} | {pct(xs, 50):.2f} | {pct(xs, 99):.2f} | {statistics.fmean(xs):.2f} |")
+        lines.append(
+            f"| {name} | {path} | {len(xs)} | {pct(xs, 50):.2f} | {pct(xs, 99):.2f} | {statistics.fmean(xs):.2f} |"
+        )
     p50 = {(n, p): pct(xs, 50) for n, p, xs in rows}
     exact = [v for (_, p), v in p50.items() if p == "exact hit"]
     sem = [v for (_, p), v in p50.items() if p == "semantic hit"]

@@ -144,7 +144,9 @@ def render(results: list[dict[str, Any]], main: dict[str, Any]) -> str:
         "",
         f"Paraphrases missed at {th:.2f} (similarity; guard_ok = False means the guard refused on purpose):",
     ]
-    lines += [f"- {a!r} ~ {b!r}: {sim:.3f}, guard_ok={ok}" for a, b, sim, ok in main["missed_paraphrases"]] or ["- none"]
+    lines += [
+        f"- {a!r} ~ {b!r}: {sim:.3f}, guard_ok={ok}" for a, b, sim, ok in main["missed_paraphrases"]
+    ] or ["- none"]
     lines += ["", f"False hits at {th:.2f}:"]
     lines += [f"- {a!r} ~ {b!r}: {sim:.3f}" for a, b, sim in main["false_hits"]] or ["- none"]
     s = CacheSettings()

@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
             row["identical"] = out == ref
             results[prompt][str(th)] = row
             print(f"{prompt:22s} {th}: { {k: v for k, v in row.items() if k != 'output'} }", flush=True)
-        differing = [r["output"] for t, r in results[prompt].items() if t != "target-only" and not r["identical"]]
+        differing = [
+            r["output"] for t, r in results[prompt].items() if t != "target-only" and not r["identical"]
+        ]
         if differing:
             results[prompt]["tie"] = first_difference(models["target"].model, ids, ref, differing[0])
     RESULTS.write_text(json.dumps({"results": results, "costs": costs, "k": args.k}, indent=1))

@@ -143,7 +143,11 @@ def load_pair() -> dict[str, LoadedModel]:
 def encode_prompts(tok: Any) -> dict[str, list[int]]:
     """PROMPTS as chat-templated token ids."""
     return {
-        name: list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)["input_ids"])
+        name: list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
         for name, p in PROMPTS.items()
     }
 

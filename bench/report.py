@@ -47,7 +47,9 @@ def _module() -> str:
 
 
 def stamp() -> str:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=DOC.parent.parent)
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=DOC.parent.parent
+    )
     return (
         f"Machine: {machine()}. Command: `{command()}`. "
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Commit: {rev.stdout.strip() or 'unknown'}."
@@ -60,6 +62,8 @@ def write_section(name: str, markdown: str, doc: Path = DOC) -> None:
     begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    text = (
+        pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    )
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)

@@ -45,8 +45,9 @@ def overhead(repeats: int) -> list[str]:
     cases = {
         "mixed prompts (router/examples.jsonl)": [[{"role": "user", "content": r["prompt"]}] for r in rows],
         "70 kB pasted code": [[{"role": "user", "content": long_doc}]],
-        "12-turn conversation": [[{"role": "user" if i % 2 == 0 else "assistant", "content": rows[i]["prompt"]}
-                                  for i in range(12)]],
+        "12-turn conversation": [
+            [{"role": "user" if i % 2 == 0 else "assistant", "content": rows[i]["prompt"]} for i in range(12)]
+        ],
     }
     router = Router(RouterSettings())
     out = ["| request set | requests timed | p50 (µs) | p99 (µs) | max (µs) |", "|---|---:|---:|---:|---:|"]
@@ -57,7 +58,9 @@ def overhead(repeats: int) -> list[str]:
                 t0 = time.perf_counter_ns()
                 router.route("auto", msgs, max_tokens=256, temperature=0.0)
                 times.append((time.perf_counter_ns() - t0) / 1e3)
-        out.append(f"| {name} | {len(times)} | {pct(times, 0.5):.1f} | {pct(times, 0.99):.1f} | {max(times):.1f} |")
+        out.append(
+            f"| {name} | {len(times)} | {pct(times, 0.5):.1f} | {pct(times, 0.99):.1f} | {max(times):.1f} |"
+        )
     return out
 
 
@@ -85,7 +88,9 @@ def e2e(n_per_tier: int, max_tokens: int, port: int, warmup: int = 0) -> list[st
             for model in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
                 body = {"model": model, "messages": [{"role": "user", "content": f"Say warm-up {i}."}],
                         "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
-                httpx.post(url + "/v1/chat/completions", json=body, headers=NO_CACHE, timeout=600).raise_for_status()
+                httpx.post(
+                    url + "/v1/chat/completions", json=body, headers=NO_CACHE, timeout=600
+                ).raise_for_status()
         for model in results:
             for p in prompts:
                 body = {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
@@ -95,7 +100,10 @@ def e2e(n_per_tier: int, max_tokens: int, port: int, warmup: int = 0) -> list[st
                 r.raise_for_status()
                 results[model].append((time.perf_counter() - t0, r.headers.get("x-specgate-route", "")))
                 cache_hits += not r.headers.get("x-specgate-cache", "miss").startswith("miss")
-                print(f"{model:20s} {results[model][-1][0]:7.2f} s  {results[model][-1][1]}  {p[:40]!r}", flush=True)
+                print(
+                    f"{model:20s} {results[model][-1][0]:7.2f} s  {results[model][-1][1]}  {p[:40]!r}",
+                    flush=True,
+                )
     finally:
         proc.kill()
         proc.wait()
@@ -112,7 +120,9 @@ def e2e(n_per_tier: int, max_tokens: int, port: int, warmup: int = 0) -> list[st
             tier = header.split(";")[0].removeprefix("tier=")
             tiers[tier] = tiers.get(tier, 0) + 1
         share = ", ".join(f"{k} {v / len(res):.0%}" for k, v in sorted(tiers.items()))
-        out.append(f"| `{model}` | {statistics.mean(lat):.2f} | {pct(lat, 0.5):.2f} | {max(lat):.2f} | {share} |")
+        out.append(
+            f"| `{model}` | {statistics.mean(lat):.2f} | {pct(lat, 0.5):.2f} | {max(lat):.2f} | {share} |"
+        )
     return out
 
 
@@ -132,7 +142,9 @@ def main() -> None:
     ap.add_argument("--per-tier", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--warmup", type=int, default=0, help="untimed requests per model before the timed ones (--e2e)")
+    ap.add_argument(
+        "--warmup", type=int, default=0, help="untimed requests per model before the timed ones (--e2e)"
+    )
     args = ap.parse_args()
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     lines = ["## Router", "", stamp(), f"Load average (1/5/15 min) at start: {load}.", "",

@@ -126,7 +126,9 @@ class AsyncEngine:
             self._finish(pending, seq, FinishReason.ABORT)
         with self._lock:
             for pending in self._inbox:
-                self._emit(pending, StepOutput(pending.request.request_id, [], finish_reason=FinishReason.ABORT))
+                self._emit(
+                    pending, StepOutput(pending.request.request_id, [], finish_reason=FinishReason.ABORT)
+                )
             self._inbox.clear()
 
     def _admit(self, pending: _Pending) -> None:
@@ -162,7 +164,9 @@ class AsyncEngine:
             live = set(self._active) | {p.request.request_id for p in self._inbox}
             self._aborted &= live
 
-    def _finish(self, pending: _Pending, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(
+        self, pending: _Pending, seq: Sequence, reason: FinishReason, error: str | None = None
+    ) -> None:
         rid = pending.request.request_id
         self._emit(pending, StepOutput(rid, [], finish_reason=reason, stats=seq.stats, error=error))
         self._drop(rid, seq)

@@ -79,10 +79,16 @@ class SpecController:
         if self.steps % self.remeasure_every == 0:
             return 0  # refresh the plain-step time: one noisy sample must not keep speculation on
         k, rate = self._best_k()
-        if self.t_plain is not None and rate * self.min_speedup < 1.0 / self.t_plain and self.t_draft is not None:
+        if (
+            self.t_plain is not None
+            and rate * self.min_speedup < 1.0 / self.t_plain
+            and self.t_draft is not None
+        ):
             # a probe that failed doubles the wait before the next one: where speculation does not
             # pay (a haiku), probing must cost next to nothing
-            self.probe_every = min(self.probe_every * 2, self.max_probe_every) if self.probing else self.probe_every
+            self.probe_every = (
+                min(self.probe_every * 2, self.max_probe_every) if self.probing else self.probe_every
+            )
             self.switched_off, self.probing = True, False
             self.off_steps = 1
             return 0
@@ -123,7 +129,8 @@ class SpecController:
         else:
             a, t_draft = 1.0, self.t_draft
         best = max(
-            expected_tokens(a, k) / (k * t_draft + (self._t_verify(k) or 0.0)) for k in range(1, self.k_max + 1)
+            expected_tokens(a, k) / (k * t_draft + (self._t_verify(k) or 0.0))
+            for k in range(1, self.k_max + 1)
         )
         return best < self.hopeless_margin / self.t_plain
 

@@ -241,7 +241,9 @@ class Engine:
         if params.greedy:
             n_t, cand = verify_greedy(draft_tokens, processed)
         else:
-            n_t, cand = verify_sampling(draft_tokens, draft_probs, probs_from_logits(processed, params), seq.generator)
+            n_t, cand = verify_sampling(
+                draft_tokens, draft_probs, probs_from_logits(processed, params), seq.generator
+            )
         n, *cand_list = torch.cat([n_t[None], cand]).tolist()  # the one host sync of the step
         new_list = cand_list[: n + 1]
         new = cand[: n + 1]
@@ -260,9 +262,7 @@ class Engine:
         logprobs = None
         if params.logprobs is not None and new_list:
             rows = logprobs_of(logits[: len(new_list)], new[: len(new_list)], params.logprobs)
-            logprobs = [
-                TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)
-            ]
+            logprobs = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)]
         seq.tokens.extend(new_list)
         if new_list and params.penalised:  # counts exist for the penalties alone
             # index_add_, not `counts[idx] += 1`: a token accepted twice in one step counts twice

@@ -1,12 +1,12 @@
 """The engine's exceptions. The gateway maps each to one OpenAI error in one place.
 
-    EngineError
-    ├── UnknownModel          -> 404 model_not_found
-    ├── PromptTooLong         -> 400 context_length_exceeded
-    ├── EngineOverloaded      -> 429/503 with Retry-After
-    ├── EngineStopped         -> 503
-    └── ModelLoadError
-        └── VocabMismatch     (a draft whose vocabulary differs from its target's)
+EngineError
+├── UnknownModel          -> 404 model_not_found
+├── PromptTooLong         -> 400 context_length_exceeded
+├── EngineOverloaded      -> 429/503 with Retry-After
+├── EngineStopped         -> 503
+└── ModelLoadError
+    └── VocabMismatch     (a draft whose vocabulary differs from its target's)
 """
 
 from __future__ import annotations

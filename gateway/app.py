@@ -172,7 +172,7 @@ def openapi_document() -> dict[str, Any]:
     ]
     _, schemas = models_json_schema(
         [(m, "validation") for m in models],  # type: ignore[misc]  # pydantic's stubs: ModelMetaclass vs type
-        ref_template="#/components/schemas/{model}"
+        ref_template="#/components/schemas/{model}",
     )
 
     def ref(name: str) -> dict[str, Any]:
@@ -282,7 +282,9 @@ def create_app(
         registry=obs.metrics.registry,
         metrics=obs.metrics,
     )
-    state.router = routing = RoutingService(settings, obs)  # router/: tiers, strategy, upstreams; raises on bad config
+    state.router = routing = RoutingService(
+        settings, obs
+    )  # router/: tiers, strategy, upstreams; raises on bad config
     state.cache = GatewayCache.from_settings(  # in-process, or Redis when configured
         settings.cache, metrics=obs.metrics, tracer=obs.tracing.tracer
     )

@@ -90,11 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML settings file")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--api-key", action="append", dest="api_keys", help="require this bearer key (repeatable)")
-    serve.add_argument("--stream-granularity", choices=["step", "token"], help="SSE chunk per engine step or per token")
+    serve.add_argument(
+        "--api-key", action="append", dest="api_keys", help="require this bearer key (repeatable)"
+    )
+    serve.add_argument(
+        "--stream-granularity", choices=["step", "token"], help="SSE chunk per engine step or per token"
+    )
     serve.set_defaults(func=_serve)
 
-    models = sub.add_parser("models", help="the local model store").add_subparsers(dest="models_cmd", required=True)
+    models = sub.add_parser("models", help="the local model store").add_subparsers(
+        dest="models_cmd", required=True
+    )
     pull = models.add_parser("pull", help="download, verify and convert pinned models")
     pull.add_argument("names", nargs="*", help="aliases (default: the default pair)")
     pull.set_defaults(func=_models_pull)
@@ -129,7 +135,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     return int(args.func(args) or 0)
 
 

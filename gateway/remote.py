@@ -74,7 +74,9 @@ def _logprobs(choice: dict[str, Any]) -> list[LogprobEntry] | None:
     if not isinstance(lp, dict) or not isinstance(lp.get("content"), list):
         return None  # chat logprobs only; completion logprobs from upstreams are dropped
     return [
-        LogprobEntry(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or []])
+        LogprobEntry(
+            e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or []]
+        )
         for e in lp["content"]
     ]
 
@@ -130,8 +132,14 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                 if held:
                     held[-1].completion_tokens += max(0, int(usage.get("completion_tokens") or 0) - counted)
             for choice in event.get("choices") or []:
-                text = choice.get("text") if job.kind == "completion" else (choice.get("delta") or {}).get("content")
-                d = Delta(int(choice.get("index", 0)), text or "", _logprobs(choice), choice.get("finish_reason"))
+                text = (
+                    choice.get("text")
+                    if job.kind == "completion"
+                    else (choice.get("delta") or {}).get("content")
+                )
+                d = Delta(
+                    int(choice.get("index", 0)), text or "", _logprobs(choice), choice.get("finish_reason")
+                )
                 if not d.text and d.finish_reason is None:
                     continue  # the role chunk: our formatter writes its own
                 d.completion_tokens = 1 if d.text else 0
@@ -216,7 +224,9 @@ class RoutingService:
         if d.backend == BackendKind.REMOTE:
             return dataclasses.replace(job, model=d.model)
         # replace() keeps what the gateway decided about the spec (adaptive=False for seeded sampling)
-        return dataclasses.replace(job, model=d.model, spec=dataclasses.replace(job.spec, mode=d.strategy, max_k=d.max_k))
+        return dataclasses.replace(
+            job, model=d.model, spec=dataclasses.replace(job.spec, mode=d.strategy, max_k=d.max_k)
+        )
 
     async def route(self, job: Job, local: Backend | None) -> Route:
         messages = job.messages if job.kind == "chat" else None

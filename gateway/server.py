@@ -80,7 +80,17 @@ def _build_engine(settings: Settings) -> Any:
     # max_active requests and a draft for as many more
     slots = 2 * settings.limits.max_active
     specs = [
-        ModelSpec(m.name, m.source, m.draft, m.dtype, m.device, m.max_context, backend=m.backend, slots=slots, exact=m.exact)
+        ModelSpec(
+            m.name,
+            m.source,
+            m.draft,
+            m.dtype,
+            m.device,
+            m.max_context,
+            backend=m.backend,
+            slots=slots,
+            exact=m.exact,
+        )
         for m in settings.models
     ]
     engine = Engine(load_all(specs))

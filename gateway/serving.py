@@ -102,7 +102,9 @@ def _spec(req: ChatCompletionRequest | CompletionRequest) -> SpecParams:
     max_k = opts.max_k if opts is not None and opts.max_k is not None else None
     adaptive = opts is None or opts.adaptive is None or opts.adaptive
     confidence = opts.draft_confidence if opts is not None else None
-    return SpecParams(mode=mode, max_k=max_k or SpecParams.max_k, adaptive=adaptive, draft_confidence=confidence)
+    return SpecParams(
+        mode=mode, max_k=max_k or SpecParams.max_k, adaptive=adaptive, draft_confidence=confidence
+    )
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

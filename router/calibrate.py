@@ -136,7 +136,9 @@ def render(c: Calibration) -> str:
     counts = ", ".join(f"{t} {sum(c.matrix[i])}" for i, t in enumerate(c.tiers))
     out = [f"examples: {c.examples} ({counts})", "thresholds (calibrated):"]
     out += [f"  {t}: {th:.4f}" for t, th in zip(c.tiers, c.thresholds, strict=True)]
-    out.append(f"accuracy: {c.accuracy:.3f} (current thresholds {c.current_thresholds}: {c.current_accuracy:.3f})")
+    out.append(
+        f"accuracy: {c.accuracy:.3f} (current thresholds {c.current_thresholds}: {c.current_accuracy:.3f})"
+    )
     out.append("confusion matrix (rows: labelled tier, columns: routed tier):")
     out += _matrix(c.tiers, c.matrix)
     out.append("set in specgate.yaml under router.tiers[*].threshold")

@@ -37,7 +37,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def add_router_commands(subparsers: argparse._SubParsersAction) -> None:
-    router = subparsers.add_parser("router", help="the complexity router").add_subparsers(dest="router_cmd", required=True)
+    router = subparsers.add_parser("router", help="the complexity router").add_subparsers(
+        dest="router_cmd", required=True
+    )
     cal = router.add_parser("calibrate", help="fit tier thresholds to labelled example prompts")
     cal.add_argument("examples", help="JSON lines: {prompt|messages, tier[, max_tokens]}")
     cal.add_argument("--config", help="YAML settings file whose `router:` section defines the tiers")

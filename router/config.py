@@ -35,10 +35,14 @@ class UpstreamSettings(BaseModel):
     model: str  # the model name the upstream knows
     api_key_env: str | None = None  # environment variable holding the upstream's API key
     timeout_s: float = Field(default=60.0, gt=0)  # read timeout between bytes; connecting gets min(5, this)
-    retries: int = Field(default=2, ge=0, le=10)  # extra attempts on connect errors, 429 and 5xx, never on 4xx
+    retries: int = Field(
+        default=2, ge=0, le=10
+    )  # extra attempts on connect errors, 429 and 5xx, never on 4xx
     backoff_s: float = Field(default=0.25, ge=0)  # first retry delay, doubled per attempt (Retry-After wins)
     breaker_failures: int = Field(default=5, ge=1)  # consecutive failures that open the circuit
-    breaker_reset_s: float = Field(default=30.0, gt=0)  # how long it stays open before one probe is let through
+    breaker_reset_s: float = Field(
+        default=30.0, gt=0
+    )  # how long it stays open before one probe is let through
 
 
 class LocalModel(BaseModel):
@@ -125,7 +129,9 @@ class RouterSettings(BaseModel):
                     raise ValueError(f"router.tiers[{t.name}].fallback: '{f}' is not another tier in {names}")
         return self  # references to models and upstreams: `check_references`, run by the Router
 
-    def check_references(self, upstreams: list[UpstreamSettings], models: dict[str, LocalModel] | None) -> None:
+    def check_references(
+        self, upstreams: list[UpstreamSettings], models: dict[str, LocalModel] | None
+    ) -> None:
         """Tiers name configured models and upstreams. Run again by `Router` with the gateway's
         top-level `models:` and `upstreams:`, which a `router:` section alone cannot see."""
         ups = [u.name for u in upstreams]
@@ -134,9 +140,13 @@ class RouterSettings(BaseModel):
         local = DEFAULT_MODELS if models is None else models
         for t in self.tiers:
             if t.model is not None and t.model not in local:
-                raise ValueError(f"router.tiers[{t.name}].model: '{t.model}' is not a configured model {sorted(local)}")
+                raise ValueError(
+                    f"router.tiers[{t.name}].model: '{t.model}' is not a configured model {sorted(local)}"
+                )
             if t.upstream is not None and t.upstream not in ups:
-                raise ValueError(f"router.tiers[{t.name}].upstream: '{t.upstream}' is not a configured upstream {ups}")
+                raise ValueError(
+                    f"router.tiers[{t.name}].upstream: '{t.upstream}' is not a configured upstream {ups}"
+                )
         for name, m in local.items():
             if m.draft is not None and m.draft not in local:
                 # The draft must be loaded too; listing it keeps one source of truth for what is resident.

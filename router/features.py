@@ -25,28 +25,146 @@ _WORDS = re.compile(r"[a-z_][a-z0-9_]*")
 _ARITH = re.compile(r"\d\s*[-+*/^=]\s*\d")
 
 CODE_WORDS = frozenset(
-    ["def", "class", "import", "return", "function", "const", "let", "var", "struct", "impl", "fn", "void", "public", "async", "await", "lambda", "select", "insert", "python", "javascript", "typescript", "rust", "golang", "java", "sql", "regex", "bash", "api", "compiler", "parser", "parse", "thread", "mutex", "recursion", "recursive"]
+    [
+        "def",
+        "class",
+        "import",
+        "return",
+        "function",
+        "const",
+        "let",
+        "var",
+        "struct",
+        "impl",
+        "fn",
+        "void",
+        "public",
+        "async",
+        "await",
+        "lambda",
+        "select",
+        "insert",
+        "python",
+        "javascript",
+        "typescript",
+        "rust",
+        "golang",
+        "java",
+        "sql",
+        "regex",
+        "bash",
+        "api",
+        "compiler",
+        "parser",
+        "parse",
+        "thread",
+        "mutex",
+        "recursion",
+        "recursive",
+    ]
 )
 CODE_SYMBOLS = ("```", "=>", "->", "::", "()", ";\n", "{\n", "}\n")
 MATH_WORDS = frozenset(
-    ["integral", "derivative", "equation", "theorem", "lemma", "matrix", "probability", "polynomial", "prime", "primes", "modulo", "induction", "limit", "variance", "differential", "eigenvalue", "eigenvalues", "eigenvector", "converge", "converges"]
+    [
+        "integral",
+        "derivative",
+        "equation",
+        "theorem",
+        "lemma",
+        "matrix",
+        "probability",
+        "polynomial",
+        "prime",
+        "primes",
+        "modulo",
+        "induction",
+        "limit",
+        "variance",
+        "differential",
+        "eigenvalue",
+        "eigenvalues",
+        "eigenvector",
+        "converge",
+        "converges",
+    ]
 )
 MATH_SYMBOLS = ("\\frac", "\\int", "\\sum", "\\sqrt", "\\lim", "\\prod", "∫", "∑", "√", "π", "∞", "≤", "≥", "∂", "expected value",
                 "o(n", "o(log", "^2")  # fmt: skip
 REASONING_WORDS = frozenset(
-    ["prove", "proof", "derive", "analyze", "analyse", "compare", "design", "optimize", "optimise", "complexity", "debug", "detailed", "rigorous", "rigorously", "justify", "implement", "deadlock", "distributed", "solve", "architecture", "architect", "concurrency", "concurrent", "scalable", "scalability", "tradeoffs", "tradeoff"]
+    [
+        "prove",
+        "proof",
+        "derive",
+        "analyze",
+        "analyse",
+        "compare",
+        "design",
+        "optimize",
+        "optimise",
+        "complexity",
+        "debug",
+        "detailed",
+        "rigorous",
+        "rigorously",
+        "justify",
+        "implement",
+        "deadlock",
+        "distributed",
+        "solve",
+        "architecture",
+        "architect",
+        "concurrency",
+        "concurrent",
+        "scalable",
+        "scalability",
+        "tradeoffs",
+        "tradeoff",
+    ]
 )
 REASONING_PHRASES = (
-    "step by step", "step-by-step", "explain why", "why does", "why is", "why do", "why are", "why would",
-    "reason about", "trade-off", "think through", "think carefully", "pros and cons", "in depth",
-    "race condition", "show each step", "show every step", "show all steps", "show your work",
-    "operator precedence", "with tests",
+    "step by step",
+    "step-by-step",
+    "explain why",
+    "why does",
+    "why is",
+    "why do",
+    "why are",
+    "why would",
+    "reason about",
+    "trade-off",
+    "think through",
+    "think carefully",
+    "pros and cons",
+    "in depth",
+    "race condition",
+    "show each step",
+    "show every step",
+    "show all steps",
+    "show your work",
+    "operator precedence",
+    "with tests",
 )
 SIMPLE_WORDS_AT_START = frozenset(["hi", "hello", "hey", "thanks", "ok", "okay"])
 SIMPLE_PHRASES = ("thank you", "what is", "what's", "who is", "define", "translate", "spell", "capital of",
                   "synonym", "one word", "yes or no", "short answer", "briefly")  # fmt: skip
 # Input-grounded requests: the answer copies spans of the prompt, so prompt lookup drafts well.
-GROUNDED_WORDS = frozenset(["edit", "fix", "refactor", "rename", "rewrite", "reformat", "convert", "port", "extract", "summarize", "summarise", "quote", "correct"])
+GROUNDED_WORDS = frozenset(
+    [
+        "edit",
+        "fix",
+        "refactor",
+        "rename",
+        "rewrite",
+        "reformat",
+        "convert",
+        "port",
+        "extract",
+        "summarize",
+        "summarise",
+        "quote",
+        "correct",
+    ]
+)
 GROUNDED_PHRASES = ("translate this", "add type hints", "add comments", "add docstrings", "add logging",
                     "find all", "find every", "the following", "the above", "the given", "this text", "this code",
                     "this file", "this document", "this passage", "this snippet", "this function", "this class",
@@ -96,7 +214,14 @@ def extract(
     """Features of a chat request (`messages`) or a legacy completion (`prompt`)."""
     if messages:
         texts = [_text(_field(m, "content")) for m in messages]
-        last = next((t for m, t in zip(reversed(messages), reversed(texts), strict=True) if _field(m, "role") == "user"), texts[-1])
+        last = next(
+            (
+                t
+                for m, t in zip(reversed(messages), reversed(texts), strict=True)
+                if _field(m, "role") == "user"
+            ),
+            texts[-1],
+        )
         total, turns = sum(len(t) for t in texts), len(messages)
     else:
         last = prompt or ""
@@ -109,10 +234,12 @@ def extract(
         prompt_chars=total,
         turns=turns,
         code=sum(w in CODE_WORDS for w in words) + sum(window.count(s) for s in CODE_SYMBOLS),
-        math=sum(w in MATH_WORDS for w in words) + sum(window.count(s) for s in MATH_SYMBOLS)
+        math=sum(w in MATH_WORDS for w in words)
+        + sum(window.count(s) for s in MATH_SYMBOLS)
         + len(_ARITH.findall(window)),
         reasoning=sum(w in REASONING_WORDS for w in words) + sum(p in window for p in REASONING_PHRASES),
-        simple=(first is not None and first.group() in SIMPLE_WORDS_AT_START) + sum(p in head for p in SIMPLE_PHRASES),
+        simple=(first is not None and first.group() in SIMPLE_WORDS_AT_START)
+        + sum(p in head for p in SIMPLE_PHRASES),
         grounded=any(w in GROUNDED_WORDS for w in words) or any(p in window for p in GROUNDED_PHRASES),
         max_tokens=max_tokens,
     )
@@ -139,7 +266,12 @@ def complexity(f: Features, w: Weights = DEFAULT_WEIGHTS) -> tuple[float, list[s
     """Score in [0, 1] and the named terms that contributed to it."""
     terms: list[tuple[str, float]] = []
     if f.prompt_chars > 200:
-        terms.append((f"length={f.prompt_chars}", w.length * min(1.0, math.log(f.prompt_chars / 200) / math.log(w.length_chars / 200))))
+        terms.append(
+            (
+                f"length={f.prompt_chars}",
+                w.length * min(1.0, math.log(f.prompt_chars / 200) / math.log(w.length_chars / 200)),
+            )
+        )
     if f.turns > 1:
         terms.append((f"turns={f.turns}", w.turns * min(1.0, (f.turns - 1) / 8)))
     if f.code:
@@ -149,7 +281,9 @@ def complexity(f: Features, w: Weights = DEFAULT_WEIGHTS) -> tuple[float, list[s
     if f.reasoning:
         terms.append((f"reasoning={f.reasoning}", w.reasoning * min(1.0, f.reasoning / 2)))
     if f.max_tokens is not None and f.max_tokens > 128:
-        terms.append((f"max_tokens={f.max_tokens}", w.max_tokens * min(1.0, math.log2(f.max_tokens / 128) / 4)))
+        terms.append(
+            (f"max_tokens={f.max_tokens}", w.max_tokens * min(1.0, math.log2(f.max_tokens / 128) / 4))
+        )
     if f.simple:
         terms.append((f"simple={f.simple}", w.simple * min(2, f.simple)))
     score = min(1.0, max(0.0, sum(v for _, v in terms)))

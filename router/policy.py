@@ -123,7 +123,8 @@ class Router:
             tier = self.tier_for(score)
             primary = self._target(tier, f, temp, mode, max_k, score, reasons)
             fallbacks = tuple(
-                self._target(self.settings.tier(n), f, temp, mode, max_k, score, reasons) for n in self._chain(tier)
+                self._target(self.settings.tier(n), f, temp, mode, max_k, score, reasons)
+                for n in self._chain(tier)
             )
             decision = replace(primary, fallbacks=fallbacks)
         return replace(decision, elapsed_us=(time.perf_counter() - t0) * 1e6)
@@ -181,10 +182,18 @@ class Router:
             else:
                 why.append(f"override-{mode.value}-not-allowed")
         k = max(1, min(limits.max_k, max_k) if max_k is not None else limits.max_k)
-        return RouteDecision(EXPLICIT, model, BackendKind.LOCAL, None, chosen, k, 0.0, tuple(why), routed=False)
+        return RouteDecision(
+            EXPLICIT, model, BackendKind.LOCAL, None, chosen, k, 0.0, tuple(why), routed=False
+        )
 
     def _strategy(
-        self, model: str, f: Features, temp: float, mode: SpecMode | None, max_k: int | None, speculation: bool
+        self,
+        model: str,
+        f: Features,
+        temp: float,
+        mode: SpecMode | None,
+        max_k: int | None,
+        speculation: bool,
     ) -> tuple[SpecMode, int, list[str]]:
         limits = self.settings.strategy
         local = self.models.get(model)
@@ -194,7 +203,9 @@ class Router:
             chosen, why = SpecMode.OFF, ["tier-no-spec"]
         elif temp > limits.high_temperature:
             chosen, why = SpecMode.OFF, [f"temperature>{limits.high_temperature:g}"]
-        elif f.grounded or (f.max_tokens is not None and f.prompt_chars >= limits.grounded_ratio * f.max_tokens * 4):
+        elif f.grounded or (
+            f.max_tokens is not None and f.prompt_chars >= limits.grounded_ratio * f.max_tokens * 4
+        ):
             # ~4 chars per token: a prompt many times the answer's length is mostly being quoted from.
             chosen, why = SpecMode.NGRAM, ["grounded"]
         elif has_draft:

@@ -101,7 +101,12 @@ class UpstreamHTTPError(UpstreamUnavailable):
         self.outcome = "http_4xx" if upstream_status < 500 else "http_5xx"
         if upstream_status == 429:
             # The upstream is alive, only busy: pass the rate limit on without tripping the breaker.
-            self.status, self.code, self.type_, self.breaker_failure = 429, "rate_limit_exceeded", "rate_limit_error", False
+            self.status, self.code, self.type_, self.breaker_failure = (
+                429,
+                "rate_limit_exceeded",
+                "rate_limit_error",
+                False,
+            )
         else:
             self.status = 503 if upstream_status == 503 else 502
 
@@ -171,7 +176,9 @@ def normalise_error(payload: Any, status: int) -> dict[str, Any]:
             if key in payload:
                 return _error_obj(str(payload[key]), str(payload.get("type") or "invalid_request_error"))
     text = payload if isinstance(payload, str) else json.dumps(payload)
-    return _error_obj(text[:500] or f"HTTP {status}", "invalid_request_error" if status < 500 else "server_error")
+    return _error_obj(
+        text[:500] or f"HTTP {status}", "invalid_request_error" if status < 500 else "server_error"
+    )
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
@@ -269,7 +276,9 @@ class UpstreamStream:
                 except UpstreamError as exc:
                     self._client.breaker.record_failure()
                     self._outcome = UpstreamStreamBroken.outcome
-                    raise UpstreamStreamBroken(self._client.name, f"stream broke after it started: {exc}") from exc
+                    raise UpstreamStreamBroken(
+                        self._client.name, f"stream broke after it started: {exc}"
+                    ) from exc
                 if event is None:
                     self._done = True
                     break
@@ -301,7 +310,9 @@ class UpstreamClient:
         if settings.api_key_env is not None:
             key = os.environ.get(settings.api_key_env)
             if not key:
-                raise ValueError(f"upstreams[{settings.name}].api_key_env: ${settings.api_key_env} is not set")
+                raise ValueError(
+                    f"upstreams[{settings.name}].api_key_env: ${settings.api_key_env} is not set"
+                )
             headers["authorization"] = f"Bearer {key}"
         timeout = httpx.Timeout(settings.timeout_s, connect=min(5.0, settings.timeout_s))
         self._http = httpx.AsyncClient(base_url=settings.base_url.rstrip("/") + "/", timeout=timeout,
@@ -312,7 +323,9 @@ class UpstreamClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    def _request(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None, stream: bool) -> httpx.Request:
+    def _request(
+        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None, stream: bool
+    ) -> httpx.Request:
         payload = {k: v for k, v in body.items() if k not in OUR_FIELDS}
         payload["model"] = self.settings.model
         payload["stream"] = stream
@@ -378,7 +391,11 @@ class UpstreamClient:
         raise AssertionError("unreachable")
 
     async def open_stream(
-        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, rewrite: Rewrite | None = None
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str] | None = None,
+        rewrite: Rewrite | None = None,
     ) -> UpstreamStream:
         """Send a streaming request and read its first event. Raises `UpstreamUnavailable` (fall back)
         or `UpstreamRejected` (pass on); after it returns nothing has reached the client yet."""
@@ -400,7 +417,11 @@ class UpstreamClient:
         return result
 
     async def complete(
-        self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, rewrite: Rewrite | None = None
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str] | None = None,
+        rewrite: Rewrite | None = None,
     ) -> dict[str, Any]:
         """A non-streaming call; the response with id/model rewritten."""
 

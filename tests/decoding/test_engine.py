@@ -23,7 +23,9 @@ def encode(models, text: str) -> list[int]:
 def run(engine, model, ids, mode, k, adaptive=False, **params):
     params.setdefault("max_tokens", 40)
     params.setdefault("ignore_eos", True)
-    req = GenerationRequest("r", model, ids, SamplingParams(**params), SpecParams(SpecMode(mode), max_k=k, adaptive=adaptive))
+    req = GenerationRequest(
+        "r", model, ids, SamplingParams(**params), SpecParams(SpecMode(mode), max_k=k, adaptive=adaptive)
+    )
     return engine.generate(req)
 
 
@@ -162,11 +164,17 @@ def test_ngram_lookup_prefers_longest_latest_match():
 def test_penalty_counts_every_accepted_token_including_repeats(tiny_models):
     engine = Engine(tiny_models)
     ids = encode(tiny_models, PROMPTS[1])
-    req = GenerationRequest("c", "tiny-self", ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=0.1), SpecParams(SpecMode.DRAFT, max_k=6, adaptive=False))
+    req = GenerationRequest(
+        "c",
+        "tiny-self",
+        ids,
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=0.1),
+        SpecParams(SpecMode.DRAFT, max_k=6, adaptive=False),
+    )
     seq = engine.start(req)
     while engine.step(seq).finish_reason is None:
         pass
-    completion = torch.tensor(seq.tokens[len(ids):])
+    completion = torch.tensor(seq.tokens[len(ids) :])
     expected = torch.bincount(completion, minlength=seq.counts.shape[0])
     assert torch.equal(seq.counts, expected)
     seq.release()
@@ -188,7 +196,10 @@ def test_draft_confidence_stops_drafting_without_changing_output(tiny_models, pa
     full, full_stats = _drafted_per_step(engine, "tiny", ids, 0.0, **params)
     cut, cut_stats = _drafted_per_step(engine, "tiny", ids, 0.9999, **params)
     # without the stop every step drafts k = 6 (but the last ones, which never draft past max_tokens)
-    assert len(full_stats.drafted_by_position) == 6 and full_stats.drafted_by_position[0] == full_stats.spec_steps
+    assert (
+        len(full_stats.drafted_by_position) == 6
+        and full_stats.drafted_by_position[0] == full_stats.spec_steps
+    )
     assert full_stats.drafted_by_position[5] >= full_stats.spec_steps - 5
     assert cut_stats.drafted == cut_stats.spec_steps and len(cut_stats.drafted_by_position) == 1
     if params["temperature"] == 0:
@@ -206,7 +217,9 @@ def test_draft_confidence_default_follows_device_and_adaptive(tiny_models):
     ids = encode(tiny_models, PROMPTS[0])
 
     def confidence(**spec):
-        req = GenerationRequest("d", "tiny", ids, SamplingParams(max_tokens=4), SpecParams(SpecMode.DRAFT, **spec))
+        req = GenerationRequest(
+            "d", "tiny", ids, SamplingParams(max_tokens=4), SpecParams(SpecMode.DRAFT, **spec)
+        )
         seq = engine.start(req)
         seq.release()
         return seq.drafter.min_confidence

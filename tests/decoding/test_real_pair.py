@@ -20,7 +20,11 @@ PROMPTS = [
 def test_real_pair_greedy_is_lossless(real_pair, prompt):
     engine = Engine(real_pair)
     tok = real_pair["target"].tokenizer
-    ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)["input_ids"])
+    ids = list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+    )
 
     def run(mode: str, k: int) -> tuple[list[int], float]:
         # fixed k: in float32 on a CPU the goodput check may (rightly) switch speculation off

@@ -75,7 +75,10 @@ def test_deterministic_drafter_is_verified_as_one_hot():
     q = torch.zeros(2, V)
     q[0, 5] = 1.0
     q[1, 0] = 1.0
-    assert emitted(verify_sampling(torch.tensor([5]), None, q, torch.Generator().manual_seed(0))) == (1, [5, 0])
+    assert emitted(verify_sampling(torch.tensor([5]), None, q, torch.Generator().manual_seed(0))) == (
+        1,
+        [5, 0],
+    )
     assert emitted(verify_sampling(torch.tensor([3]), None, q, torch.Generator().manual_seed(0))) == (0, [5])
 
 

@@ -53,7 +53,6 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-
 def start_server(tmp: Path, settings: dict[str, object], env: dict[str, str] | None = None) -> Server:
     port = free_port()
     config = tmp / "specgate.yaml"

@@ -95,7 +95,10 @@ async def test_keepalive_ping_during_a_slow_step() -> None:
     async with client(app) as c:
         r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS, "stream": True})
     assert ": ping" in r.text
-    assert "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for d in sse_data(r.text)[:-1]) == "ab"
+    assert (
+        "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for d in sse_data(r.text)[:-1])
+        == "ab"
+    )
 
 
 async def test_n_and_seed_reach_the_engine() -> None:
@@ -115,7 +118,8 @@ async def test_n_and_seed_reach_the_engine() -> None:
 
 async def test_rate_limits_per_key() -> None:
     s = load_settings(
-        overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}, "cache": {"enabled": False}}, env={}
+        overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}, "cache": {"enabled": False}},
+        env={},
     )
     app = create_app(s, engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
     body = {"model": "fake", "messages": MSGS}

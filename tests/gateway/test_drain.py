@@ -20,7 +20,9 @@ from tests.router.conftest import FakeUpstream
 from tests.servers import free_port
 
 
-def _stream_into(url: str, body: dict[str, Any], raw: list[str], started: threading.Event) -> threading.Thread:
+def _stream_into(
+    url: str, body: dict[str, Any], raw: list[str], started: threading.Event
+) -> threading.Thread:
     def run() -> None:
         with httpx.stream("POST", url, json=body, timeout=60) as r:
             for line in r.iter_lines():
@@ -67,7 +69,9 @@ def test_sigterm_drains(tmp_path: Path) -> None:
             threading.Event().wait(0.1)
         assert ready is not None and ready.status_code == 503 and ready.json()["reason"] == "draining"
         r = httpx.post(server.base_url + "/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
-        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "server_error"
+        assert (
+            r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "server_error"
+        )
         assert server.proc.poll() is None  # still serving the held stream
 
         upstream.release()

@@ -26,7 +26,8 @@ def redis_url(redis_server: RedisProcess) -> str:
 
 def gateway(url: str, prefix: str, **limits: Any) -> Any:
     s = load_settings(
-        overrides={"limits": limits, "cache": {"enabled": False, "redis_url": url, "key_prefix": prefix}}, env={}
+        overrides={"limits": limits, "cache": {"enabled": False, "redis_url": url, "key_prefix": prefix}},
+        env={},
     )
     return create_app(s, engine=ScriptedEngine([token_ids("a" * 40)]))  # type: ignore[arg-type]
 
@@ -77,7 +78,14 @@ async def test_dead_redis_falls_back_to_local_buckets() -> None:
     try:
         assert circuit() == 0  # closed
         statuses = [(await post(app)).status_code for _ in range(6)]
-        assert statuses == [200, 200, 429, 429, 429, 429]  # still limited, by this process's bucket, and no 500
+        assert statuses == [
+            200,
+            200,
+            429,
+            429,
+            429,
+            429,
+        ]  # still limited, by this process's bucket, and no 500
         assert circuit() == 2  # five failures in a row opened it: Redis is skipped, and it shows
     finally:
         await app.state.gateway.limiter.aclose()
@@ -86,5 +94,7 @@ async def test_dead_redis_falls_back_to_local_buckets() -> None:
 def test_shared_limits_need_a_redis() -> None:
     with pytest.raises(SettingsError, match=r"limits\.shared needs a Redis"):
         load_settings(overrides={"limits": {"rpm": 5, "shared": True}}, env={})
-    s = load_settings(overrides={"limits": {"rpm": 5, "shared": False}, "cache": {"redis_url": "redis://x:1/0"}}, env={})
+    s = load_settings(
+        overrides={"limits": {"rpm": 5, "shared": False}, "cache": {"redis_url": "redis://x:1/0"}}, env={}
+    )
     assert create_app(s, engine=ScriptedEngine([token_ids("a")])).state.gateway.limiter.shared is None  # type: ignore[arg-type]

@@ -47,7 +47,13 @@ def _client(app: Any) -> httpx.AsyncClient:
 def _chat(content: str, **extra: Any) -> dict[str, Any]:
     # a fixed k: on a CPU the goodput check (rightly) keeps a draft as costly as its target off
     spec = {"mode": "draft", "max_k": 4, "adaptive": False}
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, "speculative": spec, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "speculative": spec,
+        **extra,
+    }
 
 
 async def test_metrics_match_the_responses(engine: AsyncEngine, provider: TracerProvider) -> None:

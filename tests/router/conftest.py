@@ -16,7 +16,6 @@ from tests.servers import free_port
 FAKE = Path(__file__).with_name("fake_upstream.py")
 
 
-
 class FakeUpstream:
     """Start, kill and restart the fake upstream process on one port."""
 

@@ -95,7 +95,9 @@ async def completions(request: Request) -> Response:
 
 async def raw(request: Request) -> Response:
     """The exact bytes a default stream carries, for byte-for-byte comparison."""
-    return Response(b"".join(events(request.query_params["model"], TEXTS, None)), media_type="text/event-stream")
+    return Response(
+        b"".join(events(request.query_params["model"], TEXTS, None)), media_type="text/event-stream"
+    )
 
 
 async def set_script(request: Request) -> Response:

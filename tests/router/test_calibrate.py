@@ -36,7 +36,9 @@ def test_fit_never_splits_equal_scores() -> None:
     assert fit(xs, ["s", "l"]) == [0.0, 0.25]
 
 
-def test_cli_prints_thresholds_and_confusion_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_thresholds_and_confusion_matrix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rows = [{"prompt": "hi", "tier": "small"}, {"prompt": "Prove step by step that sqrt(2) is irrational.", "tier": "large"},
             {"messages": [{"role": "user", "content": "What is 2+2?"}], "tier": "small", "max_tokens": 8}]  # fmt: skip
     f = tmp_path / "ex.jsonl"

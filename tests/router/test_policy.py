@@ -21,18 +21,64 @@ CASES: list[tuple[str, int | None, float | None, Any, str, SpecMode, int]] = [
     ("hi", None, None, None, "small", SpecMode.OFF, 8),
     ("What is the capital of France?", None, 0.0, None, "small", SpecMode.OFF, 8),
     ("Translate 'good morning' to Spanish.", 16, 0.0, None, "small", SpecMode.OFF, 8),
-    ("Prove that there are infinitely many primes, step by step.", None, 0.0, None, "large", SpecMode.DRAFT, 8),
-    ("Design a distributed rate limiter and discuss the trade-offs.", 1024, 0.7, None, "large", SpecMode.DRAFT, 8),
+    (
+        "Prove that there are infinitely many primes, step by step.",
+        None,
+        0.0,
+        None,
+        "large",
+        SpecMode.DRAFT,
+        8,
+    ),
+    (
+        "Design a distributed rate limiter and discuss the trade-offs.",
+        1024,
+        0.7,
+        None,
+        "large",
+        SpecMode.DRAFT,
+        8,
+    ),
     ("Explain why quicksort is O(n^2) in the worst case.", None, 1.0, None, "large", SpecMode.DRAFT, 8),
     # input-grounded: the answer copies the prompt, so prompt lookup drafts well
-    (f"Refactor this class to use dependency injection and explain the trade-offs:\n{CODE}", None, 0.0, None,
-     "large", SpecMode.NGRAM, 8),
-    (f"{LOG}\nAnalyze this log and explain why the worker restarts; answer in one line.", 64, 0.0, None,
-     "large", SpecMode.NGRAM, 8),
+    (
+        f"Refactor this class to use dependency injection and explain the trade-offs:\n{CODE}",
+        None,
+        0.0,
+        None,
+        "large",
+        SpecMode.NGRAM,
+        8,
+    ),
+    (
+        f"{LOG}\nAnalyze this log and explain why the worker restarts; answer in one line.",
+        64,
+        0.0,
+        None,
+        "large",
+        SpecMode.NGRAM,
+        8,
+    ),
     # high temperature: acceptance collapses, decode plainly
-    ("Write a detailed design for a scalable chat service, step by step.", None, 1.5, None, "large", SpecMode.OFF, 8),
+    (
+        "Write a detailed design for a scalable chat service, step by step.",
+        None,
+        1.5,
+        None,
+        "large",
+        SpecMode.OFF,
+        8,
+    ),
     # per-request overrides, clamped by config
-    ("Prove Fermat's little theorem step by step.", None, 0.0, {"mode": "ngram", "max_k": 20}, "large", SpecMode.NGRAM, 8),
+    (
+        "Prove Fermat's little theorem step by step.",
+        None,
+        0.0,
+        {"mode": "ngram", "max_k": 20},
+        "large",
+        SpecMode.NGRAM,
+        8,
+    ),
     ("Prove Fermat's little theorem step by step.", None, 0.0, {"max_k": 3}, "large", SpecMode.DRAFT, 3),
     ("Prove Fermat's little theorem step by step.", None, 0.0, False, "large", SpecMode.OFF, 8),
     ("Prove Fermat's little theorem step by step.", None, 0.0, "auto", "large", SpecMode.DRAFT, 8),
@@ -43,7 +89,9 @@ CASES: list[tuple[str, int | None, float | None, Any, str, SpecMode, int]] = [
 @pytest.mark.parametrize(("prompt", "max_tokens", "temperature", "spec", "tier", "strategy", "max_k"), CASES)
 def test_route_table(prompt: str, max_tokens: int | None, temperature: float | None, spec: Any, tier: str,
                      strategy: SpecMode, max_k: int) -> None:  # fmt: skip
-    d = Router(RouterSettings()).route("auto", [{"role": "user", "content": prompt}], None, max_tokens, temperature, spec)
+    d = Router(RouterSettings()).route(
+        "auto", [{"role": "user", "content": prompt}], None, max_tokens, temperature, spec
+    )
     assert (d.tier, d.strategy, d.max_k) == (tier, strategy, max_k), d.reasons
     assert d.backend == BackendKind.LOCAL and d.routed
     assert d.model == {"small": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-1.5b"}[tier]
@@ -65,11 +113,24 @@ def test_conversation_length_and_multipart_content_count() -> None:
 
 
 def test_explicit_models_skip_routing() -> None:
-    r = Router(RouterSettings(), upstreams=[UpstreamSettings(name="vllm", base_url="http://x/v1", model="big")])
+    r = Router(
+        RouterSettings(), upstreams=[UpstreamSettings(name="vllm", base_url="http://x/v1", model="big")]
+    )
     d = r.route("qwen2.5-coder-1.5b", prompt="hi", temperature=0)
     # naming a model opts out of routing, strategy included: the engine's AUTO unless overridden
-    assert (d.tier, d.model, d.strategy, d.routed, d.score) == ("explicit", "qwen2.5-coder-1.5b", SpecMode.AUTO, False, 0.0)
-    assert r.route("qwen2.5-coder-0.5b", prompt="hi", speculative={"mode": "ngram", "max_k": 3}).spec_params().max_k == 3
+    assert (d.tier, d.model, d.strategy, d.routed, d.score) == (
+        "explicit",
+        "qwen2.5-coder-1.5b",
+        SpecMode.AUTO,
+        False,
+        0.0,
+    )
+    assert (
+        r.route("qwen2.5-coder-0.5b", prompt="hi", speculative={"mode": "ngram", "max_k": 3})
+        .spec_params()
+        .max_k
+        == 3
+    )
     assert r.route("mystery", prompt="hi").model == "mystery"  # the engine answers 404 for it
     remote = r.route("vllm", prompt="hi")
     assert (remote.backend, remote.upstream, remote.model) == (BackendKind.REMOTE, "vllm", "big")
@@ -90,7 +151,11 @@ def test_remote_tier_with_fallback_chain() -> None:
     ])  # fmt: skip
     r = Router(s, upstreams=[UpstreamSettings(name="vllm", base_url="http://x/v1", model="Qwen-7B")],
                models={"qwen2.5-coder-0.5b": None, "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"})  # fmt: skip
-    d = r.route("auto", prompt="Prove step by step that the algorithm's complexity is O(n log n); derive it.", temperature=0)
+    d = r.route(
+        "auto",
+        prompt="Prove step by step that the algorithm's complexity is O(n log n); derive it.",
+        temperature=0,
+    )
     assert (d.tier, d.backend, d.upstream, d.model) == ("remote", BackendKind.REMOTE, "vllm", "Qwen-7B")
     assert [(f.tier, f.strategy) for f in d.fallbacks] == [("large", SpecMode.DRAFT), ("small", SpecMode.OFF)]
     assert r.route("auto", prompt="hi").fallbacks[0].tier == "large"  # next one up first
@@ -98,7 +163,9 @@ def test_remote_tier_with_fallback_chain() -> None:
 
 def test_allowed_modes_step_down() -> None:
     s = RouterSettings(strategy={"allowed_modes": ["off", "ngram"], "max_k": 4})
-    d = Router(s).route("auto", prompt="Prove it step by step.", temperature=0, speculative={"mode": "draft", "max_k": 6})
+    d = Router(s).route(
+        "auto", prompt="Prove it step by step.", temperature=0, speculative={"mode": "draft", "max_k": 6}
+    )
     assert (d.strategy, d.max_k) == (SpecMode.NGRAM, 4)
     assert "override-draft-not-allowed" in d.reasons
 
@@ -117,7 +184,9 @@ def test_settings_errors_name_the_setting(kw: dict[str, Any], message: str) -> N
 
 
 def test_router_checks_references() -> None:
-    s = RouterSettings(tiers=[TierSettings(name="a", model="nope"), TierSettings(name="b", upstream="gone", threshold=0.5)])
+    s = RouterSettings(
+        tiers=[TierSettings(name="a", model="nope"), TierSettings(name="b", upstream="gone", threshold=0.5)]
+    )
     with pytest.raises(ValueError, match=r"router.tiers\[a\].model: 'nope'"):
         Router(s)
     with pytest.raises(ValueError, match=r"router.tiers\[b\].upstream: 'gone'"):
@@ -126,7 +195,10 @@ def test_router_checks_references() -> None:
 
 def test_routing_is_well_under_a_millisecond() -> None:
     r = Router(RouterSettings())
-    big = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": CODE * 400 + "\nFix the bug."}]
+    big = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": CODE * 400 + "\nFix the bug."},
+    ]
     times = []
     for _ in range(200):
         t0 = time.perf_counter()

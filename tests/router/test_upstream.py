@@ -26,7 +26,11 @@ from router.upstream import (
 )
 from tests.router.conftest import FakeUpstream
 
-BODY: dict[str, Any] = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "speculative": {"mode": "off"}}
+BODY: dict[str, Any] = {
+    "model": "auto",
+    "messages": [{"role": "user", "content": "hi"}],
+    "speculative": {"mode": "off"},
+}
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
@@ -44,7 +48,9 @@ async def client(upstream: FakeUpstream) -> AsyncIterator[UpstreamClient]:
     await c.aclose()
 
 
-async def collect(c: UpstreamClient, rewrite: Rewrite | None = None, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+async def collect(
+    c: UpstreamClient, rewrite: Rewrite | None = None, headers: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     stream = await c.open_stream("chat/completions", BODY, headers, rewrite)
     return [event async for event in stream]
 
@@ -72,7 +78,9 @@ async def test_chunks_rewritten_to_our_id_and_model(client: UpstreamClient) -> N
 
 
 async def test_non_stream(upstream: FakeUpstream, client: UpstreamClient) -> None:
-    out = await client.complete("chat/completions", BODY, {"traceparent": TRACEPARENT}, Rewrite(id="chatcmpl-x", model="auto"))
+    out = await client.complete(
+        "chat/completions", BODY, {"traceparent": TRACEPARENT}, Rewrite(id="chatcmpl-x", model="auto")
+    )
     assert out["id"] == "chatcmpl-x" and out["model"] == "auto"
     assert out["choices"][0]["message"]["content"] == "Hello, wörld ✓ 日本語!"
     assert upstream.seen()[0]["body"]["stream"] is False
@@ -81,7 +89,9 @@ async def test_non_stream(upstream: FakeUpstream, client: UpstreamClient) -> Non
 async def test_in_band_error_is_passed_on(upstream: FakeUpstream, client: UpstreamClient) -> None:
     upstream.script([{"kind": "ok", "error_after": 2}])
     events = await collect(client)
-    assert events[-1] == {"error": {"message": "upstream exploded", "type": "server_error", "param": None, "code": "boom"}}
+    assert events[-1] == {
+        "error": {"message": "upstream exploded", "type": "server_error", "param": None, "code": "boom"}
+    }
     assert [e["choices"][0]["delta"].get("content") for e in events[:-1]] == ["", "Hello", ", wörld"]
 
 
@@ -101,7 +111,14 @@ async def test_retry_after_is_honoured(upstream: FakeUpstream, client: UpstreamC
 
 
 async def test_no_retry_on_400_and_error_passed_on(upstream: FakeUpstream, client: UpstreamClient) -> None:
-    err = {"error": {"message": "max_tokens is too large", "type": "invalid_request_error", "param": "max_tokens", "code": None}}
+    err = {
+        "error": {
+            "message": "max_tokens is too large",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": None,
+        }
+    }
     upstream.script([{"kind": "status", "status": 400, "body": err}])
     with pytest.raises(UpstreamRejected) as info:
         await collect(client)
@@ -131,13 +148,18 @@ async def test_timeout_is_not_retried(upstream: FakeUpstream) -> None:
         await c.aclose()
 
 
-async def test_dead_upstream_falls_back_before_the_first_byte(upstream: FakeUpstream, upstream_b: FakeUpstream) -> None:
+async def test_dead_upstream_falls_back_before_the_first_byte(
+    upstream: FakeUpstream, upstream_b: FakeUpstream
+) -> None:
     upstream.script([])
     upstream_b.kill()
     pool = UpstreamPool([settings(upstream_b, name="b", retries=1), settings(upstream, name="a")])
     try:
         label, stream = await first_available(
-            [(name, lambda name=name: pool[name].open_stream("chat/completions", BODY)) for name in ("b", "a")]
+            [
+                (name, lambda name=name: pool[name].open_stream("chat/completions", BODY))
+                for name in ("b", "a")
+            ]
         )
         assert label == "a"
         assert [e async for e in stream][-1]["choices"][0]["finish_reason"] == "stop"
