@@ -2,9 +2,13 @@
 verification step, ``abort(request_id)`` stops a request within one step.
 
 Model work runs on one worker thread (torch releases the GIL inside kernels, so the event loop stays
-responsive). The worker takes one step of each active request in turn, so a long generation does not
-hold back another request's first token. Batching those steps into one forward pass would replace
-``_run_round`` alone.
+responsive). Continuous batching: requests join and leave between steps, and each step is one forward
+pass of a target model over all of its running requests (``Engine.step_batch``), prompts prefilled in
+chunks of at most ``prefill_budget`` tokens per step beside the decoding rows, so a long prompt never
+holds the running streams, or an abort, for more than one chunk.
+
+Requests are keyed by their submission, never by ``request_id``: that is the client's label, and two
+requests that share one (by accident, or one tenant reusing another's) must not collide.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from decoding.params import FinishReason, GenerationRequest, StepOutput
 log = logging.getLogger("specgate.engine")
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the engine's key for a request
 class _Pending:
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
@@ -34,16 +38,21 @@ class _Pending:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_active: int = 4, max_queued: int = 32):
+    def __init__(
+        self, engine: Engine, max_active: int = 4, max_queued: int = 32, prefill_budget: int | None = None
+    ):
         self.engine = engine
         self.max_active = max_active
         self.max_queued = max_queued
+        # prompt tokens prefilled per step beside the decoding rows (None: a device default)
+        self.prefill_budget = prefill_budget or default_prefill_budget(engine)
         self._inbox: collections.deque[_Pending] = collections.deque()
-        self._active: dict[str, tuple[_Pending, Sequence]] = {}
-        self._aborted: set[str] = set()
+        self._active: dict[_Pending, Sequence] = {}
+        self._aborted: set[_Pending] = set()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stopping = False
+        self.last_batch = 0  # rows in the latest step (metrics)
         self._thread = threading.Thread(target=self._loop, name="specgate-engine", daemon=True)
         self._thread.start()
 
@@ -90,11 +99,14 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request.request_id)
+                self._abort(pending)
 
-    def abort(self, request_id: str) -> None:
+    def _abort(self, pending: _Pending) -> None:
         with self._lock:
-            self._aborted.add(request_id)
+            if pending in self._inbox:  # never started: nothing to free
+                self._inbox.remove(pending)
+                return
+            self._aborted.add(pending)
             self._wake.notify()
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -119,10 +131,15 @@ class AsyncEngine:
                 admitted: list[_Pending] = []
                 while self._inbox and len(self._active) + len(admitted) < self.max_active:
                     admitted.append(self._inbox.popleft())
+                aborted, self._aborted = self._aborted, set()
+            for pending in aborted:
+                seq = self._active.get(pending)
+                if seq is not None:
+                    self._finish(pending, seq, FinishReason.ABORT)
             for pending in admitted:
                 self._admit(pending)
-            self._run_round()
-        for pending, seq in list(self._active.values()):
+            self._run_step()
+        for pending, seq in list(self._active.items()):
             self._finish(pending, seq, FinishReason.ABORT)
         with self._lock:
             for pending in self._inbox:
@@ -140,37 +157,44 @@ class AsyncEngine:
             self._emit(pending, StepOutput(rid, [], finish_reason=FinishReason.ERROR, error=str(exc)))
             return
         seq.stats.queue_s = time.perf_counter() - pending.submitted
-        self._active[rid] = (pending, seq)
+        self._active[pending] = seq
 
-    def _run_round(self) -> None:
-        for rid in list(self._active):
-            pending, seq = self._active[rid]
-            with self._lock:
-                aborted = rid in self._aborted
-                self._aborted.discard(rid)
-            if aborted:
-                self._finish(pending, seq, FinishReason.ABORT)
-                continue
+    def _run_step(self) -> None:
+        """One batched step per target model over its running requests."""
+        by_model: dict[str, list[_Pending]] = {}
+        for pending, seq in self._active.items():
+            by_model.setdefault(seq.target.name, []).append(pending)
+        for group in by_model.values():
+            seqs = [self._active[p] for p in group]
+            self.last_batch = len(seqs)
             try:
-                out = self.engine.step(seq)
+                outs = self.engine.step_batch(seqs, self.prefill_budget)
             except Exception as exc:
-                log.exception("request %s failed in a step", rid)
-                self._finish(pending, seq, FinishReason.ERROR, error=str(exc))
+                log.exception("a step of %d requests failed", len(seqs))
+                for p, seq in zip(group, seqs, strict=True):
+                    self._finish(p, seq, FinishReason.ERROR, error=str(exc))
                 continue
-            self._emit(pending, out)
-            if out.finish_reason is not None:
-                self._drop(rid, seq)
-        with self._lock:  # aborts for requests that are neither queued nor active
-            live = set(self._active) | {p.request.request_id for p in self._inbox}
-            self._aborted &= live
+            for p, seq, out in zip(group, seqs, outs, strict=True):
+                if out is None:
+                    continue  # a prefill chunk: nothing to say yet
+                self._emit(p, out)
+                if out.finish_reason is not None:
+                    self._drop(p, seq)
 
     def _finish(
         self, pending: _Pending, seq: Sequence, reason: FinishReason, error: str | None = None
     ) -> None:
         rid = pending.request.request_id
         self._emit(pending, StepOutput(rid, [], finish_reason=reason, stats=seq.stats, error=error))
-        self._drop(rid, seq)
+        self._drop(pending, seq)
 
-    def _drop(self, rid: str, seq: Sequence) -> None:
-        self._active.pop(rid, None)
+    def _drop(self, pending: _Pending, seq: Sequence) -> None:
+        self._active.pop(pending, None)
         seq.release()
+
+
+def default_prefill_budget(engine: Engine) -> int:
+    """Prompt tokens per step: on a GPU a 256-token chunk costs a few decode steps; a CPU pays
+    for every row, so its chunks are smaller (docs/benchmarks.md)."""
+    on_gpu = any(m.device.type == "cuda" for m in engine.models.values())
+    return 256 if on_gpu else 64

@@ -8,14 +8,14 @@ bonus token, tokens from plain steps) and is cut back to what verification kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from decoding.params import SamplingParams
-from decoding.runner import SequenceRunner
+from decoding.runner import SequenceRunner, forward_many
 from decoding.sampling import apply_penalties, probs_from_logits, sample
 
 
@@ -77,35 +77,28 @@ class DraftModelDrafter:
         counts: torch.Tensor,
         generator: torch.Generator | None,
     ) -> Proposal:
-        assert self.runner.length < len(tokens), "draft cache ran ahead of the sequence"
-        logits = self.runner.forward(tokens[self.runner.length :])
-        assert logits is not None
-        row = logits[-1:]  # [1, V]
-        counts = counts.clone() if params.penalised else counts  # counts exist for penalties alone
-        drafted: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            row = apply_penalties(row, counts, row.new_zeros(0, dtype=torch.long), params)
-            check = i < k - 1 and self.min_confidence > 0  # is there a next draft step to skip?
-            if params.greedy:
-                tok = row.argmax(-1)  # [1]
-                confidence = row.float().softmax(-1).max() if check else None
-            else:
-                p = probs_from_logits(row, params)  # [1, V]
-                tok = sample(p, generator)
-                probs.append(p[0])
-                confidence = p[0, tok] if check else None
-            drafted.append(tok)
-            if params.penalised:
-                counts[tok] += 1
-            if confidence is not None and float(confidence) < self.min_confidence:
-                break  # the unsure token is still proposed: verifying it costs a row, not a step
-            if i < k - 1:
-                out = self.runner.forward(tok)  # stays on the device (no sync unless min_confidence)
-                assert out is not None
-                row = out[-1:]
-        toks = torch.cat(drafted) if drafted else torch.zeros(0, dtype=torch.long, device=self.device)
-        return Proposal(toks, torch.stack(probs) if probs else None)
+        proposal = propose_many([(self, tokens, k, params, counts, generator)])[0]
+        assert proposal is not None
+        return proposal
+
+    def _pick(self, row: torch.Tensor, state: _Drafting, last: bool) -> bool:
+        """Choose the next draft token from ``row`` [1, V]; False when drafting should stop after it."""
+        params = state.params
+        row = apply_penalties(row, state.counts, row.new_zeros(0, dtype=torch.long), params)
+        check = not last and self.min_confidence > 0  # is there a next draft step to skip?
+        if params.greedy:
+            tok = row.argmax(-1)  # [1]
+            confidence = row.float().softmax(-1).max() if check else None
+        else:
+            p = probs_from_logits(row, params)  # [1, V]
+            tok = sample(p, state.generator)
+            state.probs.append(p[0])
+            confidence = p[0, tok] if check else None
+        state.drafted.append(tok)
+        if params.penalised:
+            state.counts[tok] += 1
+        # the unsure token is still proposed: verifying it costs a row, not a step
+        return confidence is None or float(confidence) >= self.min_confidence
 
     def rollback(self, valid: int) -> None:
         self.runner.crop(min(self.runner.length, valid))
@@ -159,3 +152,68 @@ def lookup_ngram(seq: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> lis
             start = int(hits[-1]) + n
             return seq[start : start + k].tolist()
     return []
+
+
+@dataclass
+class _Drafting:
+    """One row's proposal in progress (propose_many)."""
+
+    drafter: DraftModelDrafter
+    k: int
+    params: SamplingParams
+    counts: torch.Tensor
+    generator: torch.Generator | None
+    drafted: list[torch.Tensor] = field(default_factory=list)  # [1] each
+    probs: list[torch.Tensor] = field(default_factory=list)  # [V] each
+
+    def proposal(self) -> Proposal:
+        toks = (
+            torch.cat(self.drafted)
+            if self.drafted
+            else torch.zeros(0, dtype=torch.long, device=self.drafter.device)
+        )
+        return Proposal(toks, torch.stack(self.probs) if self.probs else None)
+
+
+ProposeItem = tuple[Drafter | None, list[int], int, SamplingParams, torch.Tensor, torch.Generator | None]
+
+
+def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
+    """Every row's proposal for one step: draft models draft in lockstep, one batched forward pass
+    per drafted position over the rows still drafting (a row leaves at its k or its confidence
+    stop); prompt lookup proposes per row. None where a row drafts nothing (no drafter, k = 0)."""
+    out: list[Proposal | None] = [None] * len(items)
+    live: list[tuple[int, _Drafting]] = []
+    for i, (drafter, tokens, k, params, counts, generator) in enumerate(items):
+        if drafter is None or k <= 0:
+            continue
+        if not isinstance(drafter, DraftModelDrafter):
+            out[i] = drafter.propose(tokens, k, params, counts, generator)
+            continue
+        assert drafter.runner.length < len(tokens), "draft cache ran ahead of the sequence"
+        counts = counts.clone() if params.penalised else counts  # counts exist for penalties alone
+        live.append((i, _Drafting(drafter, k, params, counts, generator)))
+    if not live:
+        return out
+    # the unseen tokens of each row (the bonus token, after a full acceptance d_k as well; a backlog
+    # was absorbed by catch_up), their last position's logits drafting the first token
+    feed = [
+        torch.tensor(items[i][1][d.drafter.runner.length :], dtype=torch.long, device=d.drafter.device)
+        for i, d in live
+    ]
+    step = 0
+    while live:
+        logits = forward_many([d.drafter.runner for _, d in live], feed, ["last"] * len(live))
+        still: list[tuple[int, _Drafting]] = []
+        feed = []
+        for (i, d), row in zip(live, logits, strict=True):
+            assert row is not None
+            last = step == d.k - 1
+            if d.drafter._pick(row, d, last) and not last:
+                still.append((i, d))
+                feed.append(d.drafted[-1])  # stays on the device (no sync unless min_confidence)
+            else:
+                out[i] = d.proposal()
+        live = still
+        step += 1
+    return out

@@ -1,9 +1,10 @@
-"""The synchronous core: one speculative step of one sequence.
+"""The synchronous core: one batched speculative step over every running sequence of a model.
 
 A sequence's target KV cache always holds every committed token but the last ("pending") one. A step
-feeds [pending, d_1..d_k] to the target in one forward pass, verifies, and cuts the cache back to the
-committed length, so a rejected draft costs nothing later and the prompt is never recomputed. A plain
-step is the same with k = 0.
+feeds each decoding row [pending, d_1..d_k] and each prefilling row its next prompt chunk to the
+target in one forward pass, verifies every decoding row, and cuts each cache back to its committed
+length, so a rejected draft costs nothing later and the prompt is never recomputed. A plain step is
+the same with k = 0; a request alone is the batch of one.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from decoding.controller import SpecController
-from decoding.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter
+from decoding.controller import BatchCosts, SpecController
+from decoding.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, Proposal, propose_many
 from decoding.errors import PromptTooLong, UnknownModel
 from decoding.params import (
     FinishReason,
@@ -27,7 +28,7 @@ from decoding.params import (
     StepOutput,
     TokenLogprob,
 )
-from decoding.runner import EagerRunner, SequenceRunner
+from decoding.runner import EagerRunner, SequenceRunner, Want, forward_many
 from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
 from decoding.verify import verify_greedy, verify_sampling
 
@@ -126,6 +127,7 @@ class Engine:
         self.models = models
         self.ngram_max = ngram_max
         self.total_steps = 0  # target forward passes, all requests (observability, tests)
+        self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
 
     def model(self, name: str) -> LoadedModel:
         if name not in self.models:
@@ -203,65 +205,154 @@ class Engine:
             confidence = DRAFT_CONFIDENCE.get(draft.device.type, 0.0) if request.spec.adaptive else 0.0
         return DraftModelDrafter(factory(draft.model), draft.device, confidence)
 
-    @torch.inference_mode()
     def step(self, seq: Sequence) -> StepOutput:
-        """One verification (or plain) step; the returned tokens are this step's SSE chunk."""
-        req, params = seq.request, seq.request.params
-        if not seq.prefilled:
-            t0 = time.perf_counter()
-            if len(seq.tokens) > 1:
-                seq.runner.forward(seq.tokens[:-1], logits=False)
-            seq.stats.prefill_s = time.perf_counter() - t0
-            seq.controller.observe_prefill(len(seq.tokens) - 1, seq.stats.prefill_s)
-            seq.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
+        """One step of one sequence (its whole prompt first, if not yet prefilled)."""
+        while True:
+            out = self.step_batch([seq], prefill_budget=None)[0]
+            if out is not None:
+                return out
 
-        k = seq.controller.choose_k()
-        remaining = params.max_tokens - seq.completion_tokens
-        k = min(k, remaining - 1)  # never draft past max_tokens
-        if k > 0 and seq.drafter is not None:
-            # a backlog (after plain steps) is a one-off cost: keep it out of the per-token draft cost
-            t0 = time.perf_counter()
-            seq.drafter.catch_up(seq.tokens)
-            seq.stats.decode_s += time.perf_counter() - t0
-        timer = StepTimer(seq.target.device)
-        if k > 0 and seq.drafter is not None:
-            proposal = seq.drafter.propose(seq.tokens, k, params, seq.counts, seq.generator)
-            draft_tokens, draft_probs = proposal.tokens, proposal.probs
-        else:
-            draft_tokens = torch.zeros(0, dtype=torch.long, device=seq.target.device)
-            draft_probs = None
+    @torch.inference_mode()
+    def step_batch(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[StepOutput | None]:
+        """One forward pass of the target over ``seqs`` (all of one target model): decoding rows
+        draft, verify and emit; prefilling rows take their next prompt chunk (within
+        ``prefill_budget`` tokens in all, None: whole prompts) and emit None until done."""
+        decoding = [s for s in seqs if s.prefilled]
+        prefilling = [s for s in seqs if not s.prefilled]
+        ks = self._choose_ks(decoding)
+        timer = StepTimer(seqs[0].target.device)
+        proposals = propose_many(
+            [
+                (s.drafter, s.tokens, k, s.request.params, s.counts, s.generator)
+                for s, k in zip(decoding, ks, strict=True)
+            ]
+        )
         timer.mark()
-        kk = int(draft_tokens.shape[0])
+        empty = torch.zeros(0, dtype=torch.long, device=seqs[0].target.device)
+        runners: list[SequenceRunner] = []
+        tokens: list[torch.Tensor] = []
+        wants: list[Want] = []
+        for s, prop in zip(decoding, proposals, strict=True):
+            pending = torch.tensor([s.tokens[-1]], dtype=torch.long, device=s.target.device)
+            runners.append(s.runner)
+            tokens.append(torch.cat([pending, prop.tokens if prop is not None else empty]))
+            wants.append("all")
+        budget = prefill_budget
+        chunks: list[tuple[Sequence, int]] = []
+        for s in prefilling:
+            todo = len(s.tokens) - 1 - s.runner.length
+            n = todo if budget is None else min(todo, max(budget, 0))
+            if n <= 0 and todo > 0:
+                continue  # over budget this step: its turn comes
+            if budget is not None:
+                budget -= n
+            chunks.append((s, n))
+            if n:
+                runners.append(s.runner)
+                tokens.append(
+                    torch.tensor(s.tokens[s.runner.length : s.runner.length + n], device=s.target.device)
+                )
+                wants.append("none")
+        t0 = time.perf_counter()
+        logits_all = forward_many(runners, tokens, wants) if runners else []
+        results = self._verify(decoding, proposals, logits_all[: len(decoding)])
+        t_draft, t_target = timer.done()
+        outs: dict[int, StepOutput | None] = {}
+        rows = sum(int(t.shape[0]) for t in tokens[: len(decoding)])
+        if decoding:
+            self._costs(seqs[0]).observe(len(decoding), rows, max(ks, default=0), t_draft, t_target)
+            self.total_steps += 1
+        for s, prop, logits, (n, cand) in zip(
+            decoding, proposals, logits_all[: len(decoding)], results, strict=True
+        ):
+            kk = 0 if prop is None else int(prop.tokens.shape[0])
+            assert logits is not None
+            outs[id(s)] = self._commit(s, kk, n, cand, logits, t_draft, t_target)
+        elapsed = time.perf_counter() - t0
+        for s, _n in chunks:
+            s.stats.prefill_s += elapsed
+            if s.runner.length == len(s.tokens) - 1:
+                s.controller.observe_prefill(len(s.tokens) - 1, s.stats.prefill_s)
+                s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
+            outs[id(s)] = None
+        return [outs.get(id(s)) for s in seqs]
 
+    def _costs(self, seq: Sequence) -> BatchCosts:
+        return self.costs.setdefault(seq.target.name, BatchCosts())
+
+    def _choose_ks(self, decoding: list[Sequence]) -> list[int]:
+        """Each row's k: its own controller's choice, capped by what pays for the batch as a whole
+        (decoding.controller.BatchCosts), and never past max_tokens."""
+        wanted = []
+        for s in decoding:
+            k = s.controller.choose_k() if s.drafter is not None or s.controller.speculate else 0
+            remaining = s.request.params.max_tokens - s.completion_tokens
+            wanted.append(max(0, min(k, remaining - 1)) if s.drafter is not None else 0)
+        if not decoding:
+            return []
+        cap = self._costs(decoding[0]).best_cap(
+            [
+                (k, s.controller.acceptance, isinstance(s.drafter, DraftModelDrafter))
+                for s, k in zip(decoding, wanted, strict=True)
+            ]
+        )
+        return [min(k, cap) if s.controller.adaptive else k for s, k in zip(decoding, wanted, strict=True)]
+
+    def _verify(
+        self,
+        decoding: list[Sequence],
+        proposals: list[Proposal | None],
+        logits_all: list[torch.Tensor | None],
+    ) -> list[tuple[int, list[int]]]:
+        """Verify every decoding row (pure functions, per row: each has its own sampling parameters
+        and generator); the step's one host sync reads every row's result at once."""
+        parts = []
+        for s, prop, logits in zip(decoding, proposals, logits_all, strict=True):
+            assert logits is not None
+            params = s.request.params
+            draft_tokens = prop.tokens if prop is not None else logits.new_zeros(0, dtype=torch.long)
+            processed = apply_penalties(logits, s.counts, draft_tokens, params)
+            if params.greedy:
+                n_t, cand = verify_greedy(draft_tokens, processed)
+            else:
+                probs = probs_from_logits(processed, params)
+                n_t, cand = verify_sampling(draft_tokens, prop.probs if prop else None, probs, s.generator)
+            parts.append(torch.cat([n_t[None], cand]))  # [1 + k + 1]
+        if not parts:
+            return []
+        flat = torch.cat(parts).tolist()  # the one host sync of the step
+        out, at = [], 0
+        for p in parts:
+            row = flat[at : at + p.shape[0]]
+            out.append((int(row[0]), row[1:]))
+            at += p.shape[0]
+        return out
+
+    def _commit(
+        self,
+        seq: Sequence,
+        kk: int,
+        n: int,
+        cand: list[int],
+        logits: torch.Tensor,
+        t_draft: float,
+        t_target: float,
+    ) -> StepOutput:
+        req, params = seq.request, seq.request.params
         n_before = len(seq.tokens)
-        pending = torch.tensor([seq.tokens[-1]], dtype=torch.long, device=seq.target.device)
-        logits = seq.runner.forward(torch.cat([pending, draft_tokens]))  # [kk+1, V]
-        assert logits is not None
-        processed = apply_penalties(logits, seq.counts, draft_tokens, params)
-        if params.greedy:
-            n_t, cand = verify_greedy(draft_tokens, processed)
-        else:
-            n_t, cand = verify_sampling(
-                draft_tokens, draft_probs, probs_from_logits(processed, params), seq.generator
-            )
-        n, *cand_list = torch.cat([n_t[None], cand]).tolist()  # the one host sync of the step
-        new_list = cand_list[: n + 1]
-        new = cand[: n + 1]
+        new_list = cand[: n + 1]
         seq.runner.crop(n_before + n)
         if seq.drafter is not None:
             seq.drafter.rollback(n_before + n)
-        t_draft, t_target = timer.done()
-
-        seq.controller.observe(kk, n, t_draft, t_target)
-        self.total_steps += 1
+        seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target)
         self._record(seq.stats, kk, n, t_draft + t_target)
         if kk == 0 and seq.controller.switched_off:
             seq.stats.spec_disabled_steps += 1
-
         new_list, finish = self._truncate(seq, new_list)
         logprobs = None
         if params.logprobs is not None and new_list:
-            rows = logprobs_of(logits[: len(new_list)], new[: len(new_list)], params.logprobs)
+            new = torch.tensor(new_list, device=logits.device)
+            rows = logprobs_of(logits[: len(new_list)], new, params.logprobs)
             logprobs = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)]
         seq.tokens.extend(new_list)
         if new_list and params.penalised:  # counts exist for the penalties alone

@@ -8,7 +8,8 @@ The eager runner uses transformers' DynamicCache (``crop`` cuts it back). The CU
 from __future__ import annotations
 
 import inspect
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -21,6 +22,35 @@ def as_ids(tokens: Tokens, device: torch.device) -> torch.Tensor:
     if isinstance(tokens, torch.Tensor):
         return tokens.to(device=device, dtype=torch.long)
     return torch.tensor(tokens, dtype=torch.long, device=device)
+
+
+Want = Literal["all", "last", "none"]  # which positions' logits a row returns
+
+
+@dataclass
+class Row:
+    """One sequence's tokens in a batched step."""
+
+    slot: int  # its KV slot
+    tokens: torch.Tensor  # [T] long, on the model's device
+    start: int  # cache position of tokens[0] (the sequence's length before the step)
+    logits: Want = "all"
+
+
+@dataclass
+class StepRows:
+    """A batched forward pass, flattened: ``batch`` short rows padded to ``width`` tokens first
+    (decode and verification), then ``singles`` (prefill chunks), each attending on its own."""
+
+    ids: torch.Tensor  # [N] token ids, N = batch * width + sum of the singles' T
+    pos: torch.Tensor  # [N] cache position of each token
+    slot_of: torch.Tensor  # [N] KV slot of each token
+    batch: int  # B short rows
+    width: int  # W tokens per short row (padding included)
+    slots: torch.Tensor  # [B] KV slot of each short row
+    attn_len: int  # cache positions the short rows attend over
+    one_slot: int | None  # B == 1: that row's slot (its cache is read as a view, not gathered)
+    singles: list[tuple[int, int, int]]  # (slot, T, attended length) per long row
 
 
 class SequenceRunner(Protocol):
@@ -127,3 +157,26 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     """transformers renamed ``past_key_values`` to ``cache`` in 5.2x; pass whichever this one takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def forward_many(
+    runners: list[SequenceRunner], tokens: list[torch.Tensor], wants: list[Want]
+) -> list[torch.Tensor | None]:
+    """Append each runner's tokens and return its logits as ``wants`` asks: one forward pass where
+    the runners share a batched model (``decoding.static``), one per sequence otherwise (the eager
+    runner: transformers' DynamicCache cannot cut one row back without the others)."""
+    out: list[torch.Tensor | None] = [None] * len(runners)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, r in enumerate(runners):
+        model = getattr(r, "batch_model", None)
+        if model is None:
+            logits = r.forward(tokens[i], logits=wants[i] != "none")
+            out[i] = None if logits is None else (logits[-1:] if wants[i] == "last" else logits)
+        else:
+            groups.setdefault((id(model), bool(getattr(r, "exact", False))), []).append(i)
+    for (_, exact), idx in groups.items():
+        model = runners[idx[0]].batch_model  # type: ignore[attr-defined]
+        rows = [runners[i].row(tokens[i], wants[i]) for i in idx]  # type: ignore[attr-defined]
+        for i, logits in zip(idx, model.forward_rows(rows, exact), strict=True):
+            out[i] = logits
+    return out

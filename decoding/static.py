@@ -32,7 +32,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoding.errors import ModelLoadError
-from decoding.runner import EXACT_WIDTH, Tokens, as_ids
+from decoding.runner import EXACT_WIDTH, Row, StepRows, Tokens, Want, as_ids
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -72,34 +72,55 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def decoder_layer(
-    x: torch.Tensor,  # [T, D]
-    cos: torch.Tensor,  # [T, hd]
+def attention_in(
+    x: torch.Tensor,  # [N, D] every token of the step, flattened across rows
+    cos: torch.Tensor,  # [N, hd]
     sin: torch.Tensor,
-    mask: torch.Tensor,  # [T, cache_len] additive: 0 where a row may attend, -inf elsewhere
-    pos: torch.Tensor,  # [T]
-    kv: torch.Tensor,  # [2, KV, cache_len, hd], written at ``pos``
     w: LayerWeights,
     d: Dims,
-) -> torch.Tensor:
-    T = x.shape[0]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm, fused q/k/v projection and RoPE: per token, so rows of any lengths share one matmul."""
+    N = x.shape[0]
     H, KV, hd = d.n_heads, d.n_kv, d.head_dim
     qkv = F.linear(rms_norm(x, w.ln1, d.eps), w.qkv, w.qkv_bias)
     q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
-    q = q.view(T, H, hd).transpose(0, 1)  # [H, T, hd]
-    k = k.view(T, KV, hd).transpose(0, 1)
-    v = v.view(T, KV, hd).transpose(0, 1)
+    q, k, v = q.view(N, H, hd), k.view(N, KV, hd), v.view(N, KV, hd)
     if w.q_norm is not None and w.k_norm is not None:
         q, k = rms_norm(q, w.q_norm, d.eps), rms_norm(k, w.k_norm, d.eps)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    kv[:, :, pos] = torch.stack([k, v])  # one in-place index_put_ (gpt-fast's KVCache.update)
-    o = F.scaled_dot_product_attention(
-        q[None], kv[0][None], kv[1][None], attn_mask=mask, scale=d.scale, enable_gqa=d.gqa
-    )[0]
-    x = x + F.linear(o.transpose(0, 1).reshape(T, H * hd), w.o)
+    c, s = cos[:, None], sin[:, None]  # [N, 1, hd]
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+
+def attention_out(
+    x: torch.Tensor,  # [N, D] the layer's input (residual)
+    o: torch.Tensor,  # [N, H * hd] attention output
+    w: LayerWeights,
+    d: Dims,
+) -> torch.Tensor:
+    """Output projection, residual, RMSNorm and the SiLU-gated MLP: per token, like attention_in."""
+    x = x + F.linear(o, w.o)
     gate, up = F.linear(rms_norm(x, w.ln2, d.eps), w.gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, w.down)
+
+
+def attend(
+    q: torch.Tensor,  # [B, W, H, hd]
+    k_cache: torch.Tensor,  # [B, L, KV, hd] (a view or a gather of the rows' slots)
+    v_cache: torch.Tensor,
+    mask: torch.Tensor,  # [B, 1, W, L] additive
+    d: Dims,
+) -> torch.Tensor:
+    """Attention of each row's queries over its own cache: [B, W, H * hd]."""
+    B, W = q.shape[:2]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k_cache.transpose(1, 2),
+        v_cache.transpose(1, 2),
+        attn_mask=mask,
+        scale=d.scale,
+        enable_gqa=d.gqa,
+    )  # [B, H, W, hd]
+    return o.transpose(1, 2).reshape(B, W, d.n_heads * d.head_dim)
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -189,6 +210,9 @@ _DYNAMO: dict[str, Any] = dict(automatic_dynamic_shapes=False, recompile_limit=6
 
 
 class StaticModel:
+    """One model's weights, a KV pool of ``slots`` sequences (plus a scratch slot that padding rows
+    write to), RoPE tables, and the forward pass over several sequences at once."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -220,51 +244,52 @@ class StaticModel:
         self.embed = model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
         self.lm_head = model.lm_head.weight.detach()
-        # one [2, kv_heads, cache_len, head_dim] K/V buffer per (slot, layer): separate tensors, so
-        # compiled code sees the same input layout whichever slot runs. Graph warm-up and capture
-        # write K/V at the scratch tail, never over a live sequence's positions.
-        # cache_len is a multiple of 16 so attention's additive mask needs no padding copy per layer.
-        cache_len = -(-(max_len + max_graph_tokens) // 16) * 16
-        shape = (2, self.dims.n_kv, cache_len, head_dim)
-
-        def cache() -> list[list[torch.Tensor]]:
-            return [
-                [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.weights]
-                for _ in range(slots)
-            ]
-
-        self.kv_cache = cache()
-        pos = torch.arange(cache_len, device=self.device)
+        self.slots = slots
+        self.scratch = slots  # the slot padding rows of a batch write to
+        # K and V per layer: [slots + 1, cache_len, kv_heads, head_dim]. A step writes every token's
+        # K/V with one index_put_ per layer and reads a row's cache as a view (one row) or a gather
+        # (a batch). cache_len leaves room for a padded step at the end of a full sequence and is a
+        # multiple of 16 so attention's additive mask needs no padding copy.
+        self.cache_len = -(-(max_len + max_graph_tokens) // 16) * 16
+        shape = (slots + 1, self.cache_len, self.dims.n_kv, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.weights]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.weights]
+        pos = torch.arange(self.cache_len, device=self.device)
         with torch.inference_mode():
             # the model's own rotary embedding: scaling variants (YaRN, linear, ...) come for free
             probe = torch.zeros(1, head_dim, dtype=self.dtype, device=self.device)
-            cos, sin = model.model.rotary_emb(probe, pos[None])  # [1, max_len, hd]
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_len, hd]
+            cos, sin = model.model.rotary_emb(probe, pos[None])  # [1, cache_len, hd]
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [cache_len, hd]
         self.positions = pos  # [cache_len]
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
-        # exact (decoding.runner.EXACT_WIDTH): every step of up to max_graph_tokens tokens runs as
-        # max_graph_tokens rows, the rest dummies at the scratch tail. A row then meets the same
-        # kernels, shapes and reduction orders whether it is a 1-token decode or one row of a
-        # (k+1)-token verification (cuBLAS and attention pick different kernels for 1 row and 9).
-        self.exact = exact  # the default for runners; a drafting runner never needs it
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        # exact mode (docs/architecture.md, "Exact mode"): every short step of a row runs at width
+        # max_graph_tokens over the whole cache, so a verification row meets the kernels of a
+        # 1-token step. A drafting runner never needs it.
+        self.exact = exact
+        self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
         # models: freeing one model's graphs must not pull memory from under another's.
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._free = list(range(slots))
         self._lock = threading.Lock()
         self.compiled = compile_step
-        layer: Callable[..., torch.Tensor] = decoder_layer
+        self._in: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_in
+        self._out: Callable[..., torch.Tensor] = attention_out
         if compile_step:
-            # our CUDA graphs are the graphs: inductor's own (mode="reduce-overhead") are not used
-            layer = torch.compile(decoder_layer, fullgraph=True, dynamic=False)
-        self._layer = layer
+            # our CUDA graphs are the graphs: inductor's own (mode="reduce-overhead") are not used.
+            # Attention stays outside the compiled code: its shapes vary by row, the rest is per token.
+            self._in = torch.compile(attention_in, fullgraph=True, dynamic=False)
+            self._out = torch.compile(attention_out, fullgraph=True, dynamic=False)
         self.step_override: Callable[..., torch.Tensor] | None = (
-            None  # another compiler's whole step (trt.py)
+            None  # another compiler's whole step for one row (trt.py)
         )
 
     # ---- slots ------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
 
     def acquire(self) -> int:
         with self._lock:
@@ -286,95 +311,246 @@ class StaticModel:
 
     # ---- the forward pass ---------------------------------------------------------------------
 
-    def _step(self, slot: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """ids, pos: [T] -> logits [T, V]. Writes K/V for ``pos`` into the slot's cache."""
-        if self.step_override is not None:
-            return self.step_override(slot, ids, pos)
-        if not self.compiled:
-            return self._forward(slot, ids, pos)
-        with torch._dynamo.config.patch(**_DYNAMO):
-            return self._forward(slot, ids, pos)
+    def _attn_len(self, end: int, exact: bool) -> int:
+        """Cache positions a step attends over: the whole cache in exact mode (a row's rounding may
+        not depend on the step), else the smallest power of two from 256 that holds ``end``."""
+        if exact:
+            return self.cache_len
+        return min(self.cache_len, max(256, 1 << (end - 1).bit_length()))
 
-    def _forward(self, slot: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed)  # [T, D]
-        cos, sin = self.cos[pos], self.sin[pos]  # [T, hd]
-        # causal over the whole cache, built once per step for every layer
-        mask = torch.zeros(pos.shape[0], self.positions.shape[0], dtype=self.dtype, device=self.device)
-        mask.masked_fill_(self.positions[None, :] > pos[:, None], float("-inf"))  # [T, cache_len]
-        if self.compiled and ids.shape[0] > 1:
-            # one compile serves every verification length and prefill chunk (T = 1 stays static)
-            for t in (x, cos, sin, mask, pos):
+    def _forward(self, step: StepRows) -> torch.Tensor:
+        """Hidden states [N, D] of every token of ``step``; writes their K/V into the pool."""
+        x = F.embedding(step.ids, self.embed)  # [N, D]
+        cos, sin = self.cos[step.pos], self.sin[step.pos]  # [N, hd]
+        if self.compiled and step.ids.shape[0] > 1:
+            # one compile serves every token count > 1 (N = 1 stays static)
+            for t in (x, cos, sin):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        for w, kv in zip(self.weights, self.kv_cache[slot], strict=True):
-            x = self._layer(x, cos, sin, mask, pos, kv, w, self.dims)
-        return F.linear(rms_norm(x, self.norm, self.dims.eps), self.lm_head)  # [T, V]
+        H, hd = self.dims.n_heads, self.dims.head_dim
+        B, W, L = step.batch, step.width, step.attn_len
+        keys = self.positions[:L]
+        masks: list[torch.Tensor] = []
+        if B:  # [B, 1, W, L] additive: each query sees its own row's cache up to its position
+            p = step.pos[: B * W].view(B, W)
+            masks.append(self._mask(keys[None, None, None, :] > p[:, None, :, None]))
+        off = B * W
+        for _, T, Lp in step.singles:
+            p = step.pos[off : off + T]
+            masks.append(self._mask(self.positions[:Lp][None, None, None, :] > p[None, None, :, None]))
+            off += T
+        for w, kc, vc in zip(self.weights, self.k_cache, self.v_cache, strict=True):
+            q, k, v = self._in(x, cos, sin, w, self.dims)  # [N, H, hd], [N, KV, hd] x2
+            kc.index_put_((step.slot_of, step.pos), k)  # gpt-fast's KVCache.update, every row at once
+            vc.index_put_((step.slot_of, step.pos), v)
+            outs = []
+            if B:
+                if step.one_slot is not None:  # one row: its cache as a view, no gather
+                    s = step.one_slot
+                    kr, vr = kc[s : s + 1, :L], vc[s : s + 1, :L]
+                else:
+                    kr, vr = kc[step.slots, :L], vc[step.slots, :L]  # [B, L, KV, hd]
+                outs.append(attend(q[: B * W].view(B, W, H, hd), kr, vr, masks[0], self.dims).flatten(0, 1))
+            off = B * W
+            for i, (s, T, Lp) in enumerate(step.singles):
+                qi = q[off : off + T][None]  # [1, T, H, hd]
+                outs.append(
+                    attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], masks[i + bool(B)], self.dims)[0]
+                )
+                off += T
+            x = self._out(x, outs[0] if len(outs) == 1 else torch.cat(outs), w, self.dims)
+        return x
+
+    def _mask(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            hidden, float("-inf")
+        )
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(h, self.norm, self.dims.eps), self.lm_head)  # [n, V]
+
+    def _step(self, step: StepRows) -> torch.Tensor:
+        """Logits of every token of a step [N, V] (graphs capture this)."""
+        if self.compiled:
+            with torch._dynamo.config.patch(**_DYNAMO):
+                return self._logits(self._forward(step))
+        return self._logits(self._forward(step))
 
     @torch.inference_mode()
-    def forward(self, slot: int, ids: torch.Tensor, start: int, exact: bool = False) -> torch.Tensor:
-        n = ids.shape[0]
-        assert start + n <= self.max_len, (
-            f"sequence of {start + n} tokens exceeds the static cache ({self.max_len})"
+    def forward_rows(self, rows: list[Row], exact: bool = False) -> list[torch.Tensor | None]:
+        """One forward pass over several sequences. Rows of up to ``max_graph_tokens`` tokens (decode
+        and verification) are batched at one width; longer ones (prefill chunks) attend on their own
+        but share every matmul. Returns each row's logits as its ``Row.logits`` asks."""
+        for r in rows:
+            assert r.start + r.tokens.shape[0] <= self.max_len, (
+                f"sequence of {r.start + r.tokens.shape[0]} tokens exceeds the static cache ({self.max_len})"
+            )
+        if self.step_override is not None:  # another compiler's one-row step (trt.py)
+            return [self._override_row(r) for r in rows]
+        short = [r for r in rows if r.tokens.shape[0] <= self.max_graph_tokens]
+        long = [r for r in rows if r.tokens.shape[0] > self.max_graph_tokens]
+        W = self.max_graph_tokens if exact else max((r.tokens.shape[0] for r in short), default=0)
+        if short and not long and self.graphs_enabled:
+            B = _bucket(len(short))
+            L = self._attn_len(max(r.start for r in short) + W, exact)
+            key = (B, W, L, short[0].slot if B == 1 else -1)
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = _Graph(self, B, W, L, key[3])
+            logits = graph.replay(short)
+        else:
+            step = self._plan(short, long, W, exact)
+            logits = self._step(step)
+        return _split(rows, short, long, W, logits)
+
+    def _plan(self, short: list[Row], long: list[Row], W: int, exact: bool) -> StepRows:
+        ids, pos, slot_of = [], [], []
+        for r in short:  # padded to W: the padding writes past the row's length, which nothing reads
+            T = r.tokens.shape[0]
+            ids.append(F.pad(r.tokens, (0, W - T)))
+            pos.append(self.positions[r.start : r.start + W])
+            slot_of.append(W * [r.slot])
+        singles = []
+        for r in long:
+            T = r.tokens.shape[0]
+            ids.append(r.tokens)
+            pos.append(self.positions[r.start : r.start + T])
+            slot_of.append(T * [r.slot])
+            singles.append((r.slot, T, self._attn_len(r.start + T, False)))
+        flat_slots = [s for group in slot_of for s in group]
+        B = len(short)
+        return StepRows(
+            ids=torch.cat(ids),
+            pos=torch.cat(pos),
+            slot_of=torch.tensor(flat_slots, device=self.device),
+            batch=B,
+            width=W,
+            slots=torch.tensor([r.slot for r in short], device=self.device),
+            attn_len=self._attn_len(max((r.start for r in short), default=0) + W, exact) if B else 0,
+            one_slot=short[0].slot if B == 1 else None,
+            singles=singles,
         )
-        pos = self.positions[start : start + n]
-        if n > self.max_graph_tokens:  # prefill chunks
-            return self._step(slot, ids, pos)
-        rows = self.max_graph_tokens if exact else n
-        if rows > n:  # exact: dummy rows at the scratch tail, which no real row attends to
-            pos = torch.cat([pos, self.positions[self.max_len + n : self.max_len + rows]])
-            ids = F.pad(ids, (0, rows - n))
-        if not self.graphs_enabled:
-            return self._step(slot, ids, pos)[:n]
-        graph = self._graphs.get((slot, rows))
-        if graph is None:
-            graph = self._graphs[(slot, rows)] = _Graph(self, slot, rows)
-        return graph.replay(ids, pos, n)
+
+    def step_one(self, slot: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One row's logits [T, V] over the whole cache, with no host-side planning (trt.py
+        compiles this as the step of one sequence)."""
+        T = ids.shape[0]
+        slot_of = torch.full((T,), slot, dtype=torch.long, device=self.device)
+        empty = slot_of[:0]
+        return self._step(StepRows(ids, pos, slot_of, 0, 0, empty, 0, None, [(slot, T, self.cache_len)]))
+
+    def _override_row(self, r: Row) -> torch.Tensor | None:
+        assert self.step_override is not None
+        pos = self.positions[r.start : r.start + r.tokens.shape[0]]
+        out = self.step_override(r.slot, r.tokens, pos)
+        return _want(out, r.logits)
 
     def warm(self) -> None:
         """Run the step shapes requests will use once, ahead of them: with ``compile_step`` this
-        compiles the layer for T = 1 and for T >= 2 (verification, exact steps, prefill). Writes
-        only at the scratch tail."""
-        slot = self.acquire()
-        try:
-            with torch.inference_mode():
-                for n in (3, 1):
-                    pos = self.positions[self.max_len : self.max_len + n]
-                    self._step(slot, torch.zeros(n, dtype=torch.long, device=self.device), pos)
-        finally:
-            self.release(slot)
+        compiles both halves of the layer for N = 1 and for N >= 2. Writes only to the scratch slot."""
+        with torch.inference_mode():
+            for n in (3, 1):
+                ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                self.forward_rows([Row(self.scratch, ids, 0, "all")])
 
-    def capture(self, token_counts: range) -> None:
-        """Capture graphs ahead of the first request (otherwise on first use)."""
-        counts = set(token_counts) | ({self.max_graph_tokens} if self.exact else set())
-        for slot in range(len(self.kv_cache)):
-            for T in counts:
-                if self.graphs_enabled and (slot, T) not in self._graphs:
-                    self._graphs[(slot, T)] = _Graph(self, slot, T)
+    def capture(self, token_counts: range, batch_sizes: tuple[int, ...] = (1,)) -> None:
+        """Capture graphs ahead of the first request (otherwise on first use): every width in
+        ``token_counts`` (exact: the exact width) for each batch bucket, at the shortest context."""
+        if not self.graphs_enabled:
+            return
+        widths = {self.max_graph_tokens} if self.exact else set(token_counts)
+        for B in batch_sizes:
+            for W in widths:
+                L = self._attn_len(W, self.exact)
+                slots = [self.scratch] if B == 1 else [-1]
+                for s in slots:
+                    if (B, W, L, s) not in self._graphs:
+                        self._graphs[(B, W, L, s)] = _Graph(self, B, W, L, s)
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def _bucket(n: int) -> int:
+    """The graph batch size that holds ``n`` rows (padding rows write to the scratch slot)."""
+    return next((b for b in BATCH_BUCKETS if b >= n), n)
+
+
+def _want(logits: torch.Tensor, want: str) -> torch.Tensor | None:
+    if want == "none":
+        return None
+    return logits[-1:] if want == "last" else logits
+
+
+def _split(
+    rows: list[Row], short: list[Row], long: list[Row], W: int, logits: torch.Tensor
+) -> list[torch.Tensor | None]:
+    """Each row's logits out of a step's [N, V] (short rows first at width W, then long rows)."""
+    at: dict[int, torch.Tensor | None] = {}
+    off = 0
+    for r in short:
+        at[id(r)] = _want(logits[off : off + r.tokens.shape[0]], r.logits)
+        off += W
+    for r in long:
+        T = r.tokens.shape[0]
+        at[id(r)] = _want(logits[off : off + T], r.logits)
+        off += T
+    return [at[id(r)] for r in rows]
 
 
 class _Graph:
-    """One CUDA graph for (slot, rows): static input buffers in, a static logits buffer out."""
+    """One CUDA graph for a batch of short rows: (batch bucket, width, attended length, slot for a
+    one-row graph else -1). Static input buffers in, a static logits buffer out."""
 
-    def __init__(self, m: StaticModel, slot: int, rows: int):
-        self.ids = torch.zeros(rows, dtype=torch.long, device=m.device)
-        self.pos = m.positions[m.max_len : m.max_len + rows].clone()  # warm-up and capture: the scratch tail
+    def __init__(self, m: StaticModel, B: int, W: int, L: int, slot: int):
+        self.m, self.B, self.W = m, B, W
+        s = m.scratch if slot < 0 else slot
+        self.step = StepRows(
+            ids=torch.zeros(B * W, dtype=torch.long, device=m.device),
+            pos=m.positions[:W].repeat(B).clone(),  # warm-up and capture: the scratch slot's start
+            slot_of=torch.full((B * W,), m.scratch, dtype=torch.long, device=m.device),
+            batch=B,
+            width=W,
+            slots=torch.full((B,), m.scratch, dtype=torch.long, device=m.device),
+            attn_len=L,
+            one_slot=s if B == 1 else None,
+            singles=[],
+        )
+        if B == 1:
+            self.step.slot_of.fill_(s)
+            self.step.slots.fill_(s)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (compilation, cuBLAS handles, autotuning)
-                m._step(slot, self.ids, self.pos)
+                m._step(self.step)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
-            self.out = m._step(slot, self.ids, self.pos)
+            self.out = m._step(self.step)
 
-    def replay(self, ids: torch.Tensor, pos: torch.Tensor, T: int) -> torch.Tensor:
-        self.ids.copy_(ids, non_blocking=True)
-        self.pos.copy_(pos)
+    def replay(self, rows: list[Row]) -> torch.Tensor:
+        m, W = self.m, self.W
+        n = len(rows)
+        ids = torch.zeros(self.B, W, dtype=torch.long, device=m.device)
+        starts = torch.zeros(self.B, dtype=torch.long)
+        slots = torch.full((self.B,), m.scratch, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : r.tokens.shape[0]] = r.tokens
+            starts[b], slots[b] = r.start, r.slot
+        starts, slots = starts.to(m.device, non_blocking=True), slots.to(m.device, non_blocking=True)
+        self.step.ids.copy_(ids.view(-1))
+        self.step.pos.copy_((starts[:, None] + m.positions[None, :W]).view(-1))
+        if self.B > 1:
+            self.step.slots.copy_(slots)
+            self.step.slot_of.copy_(slots.repeat_interleave(W))
         self.graph.replay()
-        return self.out[:T].clone()  # the buffer is overwritten by the next replay
+        return self.out[: n * W].clone()  # the buffer is overwritten by the next replay
 
 
 class StaticRunner:
+    """One sequence's handle on a StaticModel: its slot and length (the SequenceRunner the engine
+    drives). Several runners of one model run one forward pass through ``StaticModel.forward_rows``."""
+
     def __init__(self, model: StaticModel, slot: int, exact: bool = False):
         self.m = model
         self.slot = slot
@@ -387,20 +563,30 @@ class StaticRunner:
         return self._length
 
     @property
+    def batch_model(self) -> StaticModel:
+        return self.m
+
+    @property
     def max_step_tokens(self) -> int | None:
         """Exact mode: the most tokens one step can take and stay bit-identical to 1-token steps."""
         return self.m.max_graph_tokens if self.exact else None
+
+    def row(self, tokens: Tokens, logits: Want = "all") -> Row:
+        """This sequence's next ``tokens`` as a row of a batched step; the length moves on."""
+        ids = as_ids(tokens, self.m.device)
+        r = Row(self.slot, ids, self._length, logits)
+        self._length += ids.shape[0]
+        return r
 
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
         ids = as_ids(tokens, self.m.device)
         outs = []
         for s in range(0, ids.shape[0], self.prefill_chunk):
-            chunk = ids[s : s + self.prefill_chunk]
-            outs.append(self.m.forward(self.slot, chunk, self._length, self.exact))
-            self._length += chunk.shape[0]
+            row = self.row(ids[s : s + self.prefill_chunk], "all" if logits else "none")
+            outs.append(self.m.forward_rows([row], self.exact)[0])
         if not logits:
             return None
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return outs[0] if len(outs) == 1 else torch.cat([o for o in outs if o is not None])
 
     def crop(self, length: int) -> None:
         assert 0 <= length <= self._length, f"crop to {length} outside cache of {self._length}"

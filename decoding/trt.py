@@ -37,7 +37,7 @@ def tensorrt_runner_factory(model: Any, max_context: int, slots: int) -> Any:
     if model.device.type != "cuda":
         raise ModelLoadError(f"backend 'tensorrt' needs a CUDA device, not {model.device}")
     static = StaticModel(model, max_len=max_context, slots=slots, graphs=False)
-    eager_step = static._forward
+    eager_step = static.step_one
 
     compiled: dict[int, object] = {}
 
