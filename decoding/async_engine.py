@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from decoding.engine import Engine, Sequence
-from decoding.errors import EngineOverloaded, EngineStopped
+from decoding.errors import EngineOverloaded, EngineStopped, NoFreeSlot
 from decoding.params import FinishReason, GenerationRequest, StepOutput
 
 log = logging.getLogger("specgate.engine")
@@ -136,8 +136,11 @@ class AsyncEngine:
                 seq = self._active.get(pending)
                 if seq is not None:
                     self._finish(pending, seq, FinishReason.ABORT)
-            for pending in admitted:
-                self._admit(pending)
+            for i, pending in enumerate(admitted):
+                if not self._admit(pending):  # every KV slot taken: these wait for one to free
+                    with self._lock:
+                        self._inbox.extendleft(reversed(admitted[i:]))
+                    break
             self._run_step()
         for pending, seq in list(self._active.items()):
             self._finish(pending, seq, FinishReason.ABORT)
@@ -148,16 +151,25 @@ class AsyncEngine:
                 )
             self._inbox.clear()
 
-    def _admit(self, pending: _Pending) -> None:
+    def _admit(self, pending: _Pending) -> bool:
+        """Start a request; False when no KV slot is free (it stays queued)."""
         rid = pending.request.request_id
         try:
             seq = self.engine.start(pending.request)
+        except NoFreeSlot:
+            if not self._active:  # nothing will free a slot: a configuration fault, not a wait
+                self._emit(
+                    pending, StepOutput(rid, [], finish_reason=FinishReason.ERROR, error="no KV-cache slot")
+                )
+                return True
+            return False
         except Exception as exc:  # validated already; a failure here is a real fault
             log.exception("could not start request %s", rid)
             self._emit(pending, StepOutput(rid, [], finish_reason=FinishReason.ERROR, error=str(exc)))
-            return
+            return True
         seq.stats.queue_s = time.perf_counter() - pending.submitted
         self._active[pending] = seq
+        return True
 
     def _run_step(self) -> None:
         """One batched step per target model over its running requests."""

@@ -152,12 +152,16 @@ class Engine:
             generator.manual_seed(request.params.seed)
         else:
             generator.seed()
-        drafter = self._drafter(target, request)
+        runner = target.runner_factory(target.model)  # NoFreeSlot: the caller queues the request
+        try:
+            drafter = self._drafter(target, request)
+        except BaseException:
+            runner.release()
+            raise
         # A seeded sampled request must repeat: adaptive k and the goodput check follow measured
         # timings, and a different k consumes the generator differently. Such requests draft a
         # fixed k (greedy output does not depend on k at all, so it keeps adapting).
         seeded_sampling = request.params.seed is not None and not request.params.greedy
-        runner = target.runner_factory(target.model)
         # an exact static runner keeps a step bit-identical to 1-token steps up to its padded width
         step_limit = runner.max_step_tokens
         controller = SpecController(

@@ -5,6 +5,7 @@ EngineError
 ├── PromptTooLong         -> 400 context_length_exceeded
 ├── EngineOverloaded      -> 429/503 with Retry-After
 ├── EngineStopped         -> 503
+├── NoFreeSlot            (internal: every KV slot is taken; the request waits in the queue)
 └── ModelLoadError
     └── VocabMismatch     (a draft whose vocabulary differs from its target's)
 """
@@ -41,6 +42,11 @@ class EngineOverloaded(EngineError):
 
 class EngineStopped(EngineError):
     pass
+
+
+class NoFreeSlot(EngineError):
+    def __init__(self) -> None:
+        super().__init__("every KV-cache slot is taken")
 
 
 class ModelLoadError(EngineError):

@@ -33,12 +33,14 @@ class ModelSpec:
     max_context: int | None = None
     # how steps run: eager (DynamicCache), static (static cache), cuda_graphs (static + graphs),
     # compile (static + each layer compiled by inductor, under CUDA graphs on CUDA), tensorrt (the
-    # `tensorrt` extra); auto: compile on CUDA (cuda_graphs if compiling fails), eager on a CPU
+    # `tensorrt` extra); auto: compile on CUDA (cuda_graphs if compiling fails), static on a CPU
+    # (eager for architectures the static layer does not cover); only static backends batch requests
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
     # static backends: run every decode and verification step at one padded width
     # (decoding.runner.EXACT_WIDTH), so greedy speculation is token-identical to target-only decoding
-    # in bf16 too; false: faster target-only decode on a GPU, identical up to rounding ties. None: on.
+    # in bf16 too; false: faster target-only decode on a GPU, identical up to rounding ties. None: on,
+    # except for `auto` on a CPU, where exact mode's whole-cache attention costs more than a GPU's
     exact: bool | None = None
 
 
@@ -103,6 +105,15 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
     config_ctx = int(getattr(model.config, "max_position_embeddings", None) or 4096)
     backend = resolve_backend(spec, device, dtype)
+    if backend == "static" and spec.backend == "auto":
+        try:
+            check_static(model, config_ctx)
+        except ModelLoadError as exc:
+            log.info(
+                "model %s: %s; serving it on the eager backend, one request per forward pass", spec.name, exc
+            )
+            backend = "eager"
+        spec = replace(spec, exact=False if spec.exact is None else spec.exact)
     # a static cache is attended over whole at every step: unset, it holds up to STATIC_CONTEXT tokens
     static_cap = STATIC_CONTEXT if backend != "eager" else config_ctx  # tensorrt runs on the static cache too
     max_context = spec.max_context or min(config_ctx, static_cap)
@@ -173,13 +184,10 @@ def cpu_bf16_features() -> list[str]:
 
 
 def resolve_backend(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto``: compile on CUDA, eager on a CPU.
-
-    On a CPU the eager backend's greedy speculation is token-identical to target-only decoding only
-    up to rounding ties where torch computes a 1-row and a multi-row low-precision GEMM with different
-    kernels (CPUs with bf16 matrix instructions; seen on an AVX512-BF16 EPYC). ``static`` with exact
-    mode is bit-identical there, but a CPU pays for attending over the whole static cache (a 1.5B step:
-    163 ms at 1K context, 295 ms at 8K, eager 161 ms), so it is a choice, not the default.
+    """``auto``: compile on CUDA, static on a CPU (``load`` falls back to eager for architectures
+    the static layer does not cover). The static backends batch concurrent requests into one forward
+    pass; the eager one runs them one at a time. On a CPU ``auto`` leaves exact mode off, which
+    attends over the whole cache (docs/architecture.md, "Exact mode").
     """
     if spec.backend not in BACKENDS:
         raise ModelLoadError(
@@ -187,7 +195,16 @@ def resolve_backend(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -
         )
     if spec.backend != "auto":
         return spec.backend
-    return "compile" if device.type == "cuda" else "eager"
+    return "compile" if device.type == "cuda" else "static"
+
+
+def check_static(model: PreTrainedModel, max_len: int) -> None:
+    """Raise ModelLoadError where the static layer cannot run ``model``."""
+    from decoding.static import check_supported, layer_weights
+
+    check_supported(model, max_len)
+    with torch.inference_mode():
+        layer_weights(model)  # refuses biases the layer does not apply
 
 
 def _eos_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from decoding.errors import ModelLoadError
+from decoding.errors import ModelLoadError, NoFreeSlot
 from decoding.runner import EXACT_WIDTH, Row, StepRows, Tokens, Want, as_ids
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
@@ -294,7 +294,7 @@ class StaticModel:
     def acquire(self) -> int:
         with self._lock:
             if not self._free:
-                raise RuntimeError("no free KV-cache slot: raise `slots` to the engine's max_active")
+                raise NoFreeSlot
             return self._free.pop()
 
     def release(self, slot: int) -> None:

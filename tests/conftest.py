@@ -15,14 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_models():
-    """Float32 tiny target, tiny draft, and the target drafting for itself (acceptance 1)."""
+    """Float32 tiny target, tiny draft, and the target drafting for itself (acceptance 1), on the CPU
+    default backend (static: requests batch), with KV slots for batches of 16."""
     from decoding.loader import ModelSpec, load_all
 
     return load_all(
         [
-            ModelSpec("tiny", "tiny-random", draft="tiny-draft", dtype="float32", device="cpu"),
-            ModelSpec("tiny-draft", "tiny-random-draft", dtype="float32", device="cpu"),
-            ModelSpec("tiny-self", "tiny-random", draft="tiny", dtype="float32", device="cpu"),
+            ModelSpec("tiny", "tiny-random", draft="tiny-draft", dtype="float32", device="cpu", slots=16),
+            ModelSpec("tiny-draft", "tiny-random-draft", dtype="float32", device="cpu", slots=16),
+            ModelSpec("tiny-self", "tiny-random", draft="tiny", dtype="float32", device="cpu", slots=16),
         ]
     )
 

@@ -178,14 +178,16 @@ def test_auto_backend_and_the_static_context_cap(tiny_models, monkeypatch):
     monkeypatch.setattr(loader, "STATIC_CONTEXT", 256)  # below tiny-random's 4096 positions
 
     spec = ModelSpec("x", "tiny-random")
-    assert loader.resolve_backend(spec, torch.device("cpu"), torch.bfloat16) == "eager"
+    assert loader.resolve_backend(spec, torch.device("cpu"), torch.bfloat16) == "static"
     assert loader.resolve_backend(spec, torch.device("cuda"), torch.bfloat16) == "compile"
     with pytest.raises(ModelLoadError, match="unknown backend"):
         loader.resolve_backend(replace(spec, backend="warp"), torch.device("cpu"), torch.float32)
     m = loader.load(replace(spec, backend="static", dtype="float32"))
     assert m.max_context == 256
     assert m.runner_factory(m.model).max_step_tokens == 9
-    assert loader.load(replace(spec, dtype="float32")).max_context == 4096  # eager: the model's own
+    assert loader.load(replace(spec, backend="eager", dtype="float32")).max_context == 4096  # the model's own
+    auto = loader.load(replace(spec, dtype="float32"))  # static on a CPU, exact off
+    assert auto.max_context == 256 and auto.runner_factory(auto.model).max_step_tokens is None
 
 
 def test_biases_the_static_layer_does_not_apply_are_refused(tiny_models):

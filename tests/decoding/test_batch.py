@@ -1,0 +1,260 @@
+"""The batched engine on tiny random models in float32 (the static backend, one forward pass over
+every running request): a request's output does not depend on what else is in the batch, on when
+others join or leave, on k, or on how its prompt was chunked; aborts free a slot within one step."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from decoding.async_engine import AsyncEngine
+from decoding.engine import Engine
+from decoding.params import FinishReason, GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.runner import Row, forward_many
+from decoding.static import StaticModel
+
+PROMPTS = [
+    "hello wörld, write a poem",
+    "def f(x):\n    return x * 2\n\ndef f(x):",
+    "€€€ ünïcödé 日本語",
+    "a",
+    "the quick brown fox jumps over the lazy dog, the quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13",
+]
+_ids = itertools.count()
+
+
+def request(models, prompt, mode="off", k=4, adaptive=False, **params) -> GenerationRequest:
+    params.setdefault("max_tokens", 24)
+    params.setdefault("ignore_eos", True)
+    params.setdefault("temperature", 0)
+    ids = models["tiny"].tokenizer(prompt)["input_ids"]
+    spec = SpecParams(SpecMode(mode), max_k=k, adaptive=adaptive)
+    return GenerationRequest(f"r{next(_ids)}", "tiny", ids, SamplingParams(**params), spec)
+
+
+def run_batch(engine, requests, join_at=None, budget=None) -> dict[str, list[int]]:
+    """Drive Engine.step_batch by hand: request i joins at step join_at[i]; each leaves when done."""
+    join_at = join_at or [0] * len(requests)
+    waiting = sorted(zip(join_at, range(len(requests)), requests, strict=True))
+    running, out = {}, {r.request_id: [] for r in requests}
+    step = 0
+    while waiting or running:
+        while waiting and waiting[0][0] <= step:
+            r = waiting.pop(0)[2]
+            running[r.request_id] = engine.start(r)
+        seqs = list(running.values())
+        if seqs:
+            for o in engine.step_batch(seqs, budget):
+                if o is None:
+                    continue
+                out[o.request_id].extend(o.token_ids)
+                if o.finish_reason is not None:
+                    running.pop(o.request_id).release()
+        step += 1
+    return out
+
+
+def alone(engine, r) -> list[int]:
+    return engine.generate(r)[0]
+
+
+def test_tiny_models_batch_on_the_static_backend(tiny_models):
+    seq = Engine(tiny_models).start(request(tiny_models, "x"))
+    assert hasattr(seq.runner, "batch_model"), "the CPU default must batch requests (backend static)"
+    seq.release()
+
+
+def test_batched_rows_equal_rows_run_alone(tiny_models):
+    """One pass over rows of different lengths, widths and slots gives each row's logits alone."""
+    m = tiny_models["tiny"].model
+    static = StaticModel(m, max_len=256, slots=6, graphs=False)
+    prompts = [list(range(10, 10 + n)) for n in (5, 40, 17, 90)]
+    solo = []
+    for p in prompts:
+        r = static.runner()
+        r.forward(p, logits=False)
+        solo.append((r.forward([3, 4, 5]), r.forward([7])))
+        r.release()
+    runners = [static.runner() for _ in prompts]
+    forward_many(runners, [torch.tensor(p) for p in prompts], ["none"] * 4)
+    a = forward_many(runners, [torch.tensor([3, 4, 5])] * 4, ["all"] * 4)
+    b = forward_many(runners, [torch.tensor([7])] * 4, ["all"] * 4)
+    for (sa, sb), x, y in zip(solo, a, b, strict=True):
+        torch.testing.assert_close(x, sa, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y, sb, rtol=1e-4, atol=1e-4)
+    # a prefill chunk and decoding rows in one pass
+    r2 = static.runner()
+    mixed = forward_many([runners[0], r2], [torch.tensor([9]), torch.tensor(prompts[1])], ["all", "last"])
+    ref = static.runner()
+    torch.testing.assert_close(mixed[1], ref.forward(prompts[1])[-1:], rtol=1e-4, atol=1e-4)
+    assert isinstance(Row(0, torch.tensor([1]), 0), Row)
+
+
+@pytest.mark.parametrize(
+    "mode,k,adaptive", [("off", 1, False), ("draft", 2, False), ("ngram", 4, False), ("draft", 8, True)]
+)
+def test_greedy_output_is_the_same_alone_and_in_a_batch(tiny_models, mode, k, adaptive):
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, p, mode, k, adaptive, max_tokens=12 + 5 * i) for i, p in enumerate(PROMPTS)]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    plain = {
+        r.request_id: alone(engine, request(tiny_models, p, max_tokens=r.params.max_tokens))
+        for r, p in zip(reqs, PROMPTS, strict=True)
+    }
+    assert list(expected.values()) == list(plain.values())  # speculation itself is lossless
+    assert run_batch(engine, reqs) == expected
+    # joining and leaving mid-stream, prompts prefilled in small chunks beside decoding rows
+    assert run_batch(engine, reqs, join_at=[0, 3, 3, 7, 1, 12], budget=5) == expected
+
+
+def test_mixed_modes_and_k_in_one_batch(tiny_models):
+    engine = Engine(tiny_models)
+    reqs = [
+        request(tiny_models, PROMPTS[0], "off"),
+        request(tiny_models, PROMPTS[1], "draft", 3),
+        request(tiny_models, PROMPTS[4], "ngram", 6),
+        request(tiny_models, PROMPTS[5], "draft", 8, adaptive=True),
+        request(tiny_models, PROMPTS[2], "draft", 2, presence_penalty=0.5, frequency_penalty=0.3),
+    ]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    assert run_batch(engine, reqs, join_at=[0, 0, 2, 4, 5], budget=7) == expected
+
+
+@pytest.mark.parametrize("mode", ["off", "draft", "ngram"])
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_models, mode):
+    engine = Engine(tiny_models)
+    kw = dict(temperature=0.9, top_p=0.95, top_k=50)
+    reqs = [request(tiny_models, p, mode, 3, seed=100 + i, **kw) for i, p in enumerate(PROMPTS[:5])]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    assert run_batch(engine, reqs, join_at=[0, 1, 1, 4, 6], budget=9) == expected
+
+
+def test_sampled_speculation_in_a_batch_matches_the_target_distribution(tiny_models):
+    """First tokens of 240 seeded requests sampled in batches of 16, with draft speculation, against
+    plain sampling alone: the same distribution (chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    engine = Engine(tiny_models)
+    counts: dict[str, dict[int, int]] = {"off": {}, "draft": {}}
+    for mode in counts:
+        reqs = [
+            request(tiny_models, "ab", mode, 2, max_tokens=2, temperature=1.0, top_k=3, seed=s)
+            for s in range(240)
+        ]
+        if mode == "off":
+            outs = [alone(engine, r) for r in reqs]
+        else:
+            outs = []
+            for i in range(0, len(reqs), 16):
+                got = run_batch(engine, reqs[i : i + 16])
+                outs.extend(got[r.request_id] for r in reqs[i : i + 16])
+        for o in outs:
+            counts[mode][o[0]] = counts[mode].get(o[0], 0) + 1
+    keys = sorted(set(counts["off"]) | set(counts["draft"]))
+    assert len(keys) >= 2
+    table = [[counts[m].get(k, 0) + 1 for k in keys] for m in counts]
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+async def _collect(engine: AsyncEngine, r: GenerationRequest, stop_after: int | None = None):
+    tokens, finish = [], None
+    async for out in engine.generate(r):
+        tokens.extend(out.token_ids)
+        finish = out.finish_reason
+        if stop_after is not None and len(tokens) >= stop_after:
+            break  # leaving the iterator aborts the request
+    return tokens, finish
+
+
+async def test_abort_mid_batch_and_mid_prefill_leaves_the_others_unchanged(tiny_models):
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, p, "draft", 3, max_tokens=40) for p in PROMPTS[:4]]
+    long_prompt = request(tiny_models, "long " * 300, max_tokens=8)
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    steps_before = engine.total_steps
+    ae = AsyncEngine(engine, max_active=8, prefill_budget=16)
+    try:
+        results = await asyncio.gather(
+            *(_collect(ae, r) for r in reqs[:3]),
+            _collect(ae, reqs[3], stop_after=2),  # leaves mid-batch
+            _abort_during_prefill(ae, long_prompt),
+        )
+        for r, (tokens, finish) in zip(reqs[:3], results[:3], strict=True):
+            assert tokens == expected[r.request_id] and finish == FinishReason.LENGTH
+        assert results[3][0] == expected[reqs[3].request_id][: len(results[3][0])]
+        for _ in range(100):
+            if ae.active == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert ae.active == 0
+        static = tiny_models["tiny"].runner_factory.__self__  # the target's pool
+        assert static.free_slots == static.slots  # every slot is back
+    finally:
+        ae.shutdown()
+    assert engine.total_steps > steps_before
+
+
+async def _abort_during_prefill(ae: AsyncEngine, r: GenerationRequest):
+    it = ae.generate(r).__aiter__()
+    task = asyncio.ensure_future(it.__anext__())
+    await asyncio.sleep(0.05)  # 300+ prompt tokens at 16 per step: still prefilling
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await it.aclose()
+    return [], None
+
+
+async def test_more_requests_than_kv_slots_wait_and_all_finish(tiny_models):
+    """Twice as many requests as the target has KV slots: the rest queue until slots free up, and
+    every one finishes with the output it has alone (nothing refused, truncated or deadlocked)."""
+    engine = Engine(tiny_models)
+    static = tiny_models["tiny"].runner_factory.__self__
+    n = static.slots * 2
+    reqs = [request(tiny_models, PROMPTS[i % len(PROMPTS)], "off", max_tokens=6 + i) for i in range(n)]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    ae = AsyncEngine(engine, max_active=n, max_queued=n)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(ae, r) for r in reqs)), 120)
+    finally:
+        ae.shutdown()
+    for r, (tokens, finish) in zip(reqs, results, strict=True):
+        assert finish == FinishReason.LENGTH and tokens == expected[r.request_id]
+
+
+def test_duplicate_request_ids_do_not_collide(tiny_models):
+    """The engine keys requests by submission: the client's request_id is only a label."""
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, p, max_tokens=10) for p in PROMPTS[:3]]
+    same = [GenerationRequest("same", r.model, r.prompt_token_ids, r.params, r.spec) for r in reqs]
+    expected = [alone(engine, r) for r in reqs]
+
+    async def main():
+        ae = AsyncEngine(engine, max_active=4)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(_collect(ae, r) for r in same)), 60)
+        finally:
+            ae.shutdown()
+
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == expected
+
+
+def test_batch_costs_cap_k_where_the_batch_is_compute_bound():
+    from decoding.controller import BatchCosts
+
+    costs = BatchCosts()
+    # memory-bound up to 16 rows, then each row costs as much as the whole step did
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        costs.observe(1, rows, 0, 0.0, 0.01 * max(1.0, rows / 16))
+    costs.observe(1, 2, 1, 0.002, 0.01)
+    alone = costs.best_cap([(6, 0.8, True)])
+    assert alone == 6  # a request alone keeps its own controller's k
+    small = costs.best_cap([(6, 0.8, True)] * 2)
+    large = costs.best_cap([(6, 0.8, True)] * 64)
+    assert small >= 3
+    assert large == 0  # 64 rows x (k+1) is past the knee: speculation would slow the batch
