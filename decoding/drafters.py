@@ -159,6 +159,7 @@ class _Drafting:
     """One row's proposal in progress (propose_many)."""
 
     drafter: DraftModelDrafter
+    tokens: list[int]  # the sequence so far (committed tokens)
     k: int
     params: SamplingParams
     counts: torch.Tensor
@@ -178,6 +179,19 @@ class _Drafting:
 ProposeItem = tuple[Drafter | None, list[int], int, SamplingParams, torch.Tensor, torch.Generator | None]
 
 
+def catch_up_many(items: list[ProposeItem]) -> None:
+    """Draft models absorb their backlogs (a prompt, tokens from plain steps) in one forward pass
+    before the rows that will draft do so."""
+    rows = []
+    for drafter, tokens, k, *_ in items:
+        if isinstance(drafter, DraftModelDrafter) and k > 0:
+            seen = drafter.runner.length
+            if len(tokens) - seen > drafter.INLINE:
+                rows.append((drafter.runner, torch.tensor(tokens[seen:-1], device=drafter.device)))
+    if rows:
+        forward_many([r for r, _ in rows], [t for _, t in rows], ["none"] * len(rows))
+
+
 def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
     """Every row's proposal for one step: draft models draft in lockstep, one batched forward pass
     per drafted position over the rows still drafting (a row leaves at its k or its confidence
@@ -192,7 +206,7 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
             continue
         assert drafter.runner.length < len(tokens), "draft cache ran ahead of the sequence"
         counts = counts.clone() if params.penalised else counts  # counts exist for penalties alone
-        live.append((i, _Drafting(drafter, k, params, counts, generator)))
+        live.append((i, _Drafting(drafter, tokens, k, params, counts, generator)))
     if not live:
         return out
     # the unseen tokens of each row (the bonus token, after a full acceptance d_k as well; a backlog

@@ -15,10 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from decoding.batch import DecodeBatch
 from decoding.controller import BatchCosts, SpecController
-from decoding.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, Proposal, propose_many
+from decoding.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    PromptLookupDrafter,
+    Proposal,
+    ProposeItem,
+    catch_up_many,
+    propose_many,
+)
 from decoding.errors import PromptTooLong, UnknownModel
 from decoding.params import (
     FinishReason,
@@ -30,7 +40,7 @@ from decoding.params import (
 )
 from decoding.runner import EagerRunner, SequenceRunner, Want, forward_many
 from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
-from decoding.verify import verify_greedy, verify_sampling
+from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 
 RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
 
@@ -222,64 +232,83 @@ class Engine:
         draft, verify and emit; prefilling rows take their next prompt chunk (within
         ``prefill_budget`` tokens in all, None: whole prompts) and emit None until done."""
         decoding = [s for s in seqs if s.prefilled]
-        prefilling = [s for s in seqs if not s.prefilled]
+        chunks = self._prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
         ks = self._choose_ks(decoding)
+        items: list[ProposeItem] = [
+            (s.drafter, s.tokens, k, s.request.params, s.counts, s.generator)
+            for s, k in zip(decoding, ks, strict=True)
+        ]
+        catch_up_many(items)  # a backlog is a one-off cost: kept out of the draft's per-token cost
         timer = StepTimer(seqs[0].target.device)
-        proposals = propose_many(
-            [
-                (s.drafter, s.tokens, k, s.request.params, s.counts, s.generator)
-                for s, k in zip(decoding, ks, strict=True)
-            ]
-        )
+        proposals = propose_many(items)
         timer.mark()
-        empty = torch.zeros(0, dtype=torch.long, device=seqs[0].target.device)
-        runners: list[SequenceRunner] = []
-        tokens: list[torch.Tensor] = []
-        wants: list[Want] = []
-        for s, prop in zip(decoding, proposals, strict=True):
-            pending = torch.tensor([s.tokens[-1]], dtype=torch.long, device=s.target.device)
-            runners.append(s.runner)
-            tokens.append(torch.cat([pending, prop.tokens if prop is not None else empty]))
-            wants.append("all")
-        budget = prefill_budget
-        chunks: list[tuple[Sequence, int]] = []
-        for s in prefilling:
-            todo = len(s.tokens) - 1 - s.runner.length
-            n = todo if budget is None else min(todo, max(budget, 0))
-            if n <= 0 and todo > 0:
-                continue  # over budget this step: its turn comes
-            if budget is not None:
-                budget -= n
-            chunks.append((s, n))
-            if n:
-                runners.append(s.runner)
-                tokens.append(
-                    torch.tensor(s.tokens[s.runner.length : s.runner.length + n], device=s.target.device)
-                )
-                wants.append("none")
+        batch = DecodeBatch.build(
+            [s.tokens[-1] for s in decoding],
+            [p.tokens if p is not None else None for p in proposals],
+            seqs[0].target.device,
+        )
         t0 = time.perf_counter()
-        logits_all = forward_many(runners, tokens, wants) if runners else []
-        results = self._verify(decoding, proposals, logits_all[: len(decoding)])
+        logits = self._forward(decoding, batch, chunks)  # [B, W, V]
+        results = self._verify(decoding, proposals, batch, logits)  # the step's one host sync
         t_draft, t_target = timer.done()
         outs: dict[int, StepOutput | None] = {}
-        rows = sum(int(t.shape[0]) for t in tokens[: len(decoding)])
         if decoding:
-            self._costs(seqs[0]).observe(len(decoding), rows, max(ks, default=0), t_draft, t_target)
+            self._costs(seqs[0]).observe(len(decoding), batch.ids.numel(), batch.width - 1, t_draft, t_target)
             self.total_steps += 1
-        for s, prop, logits, (n, cand) in zip(
-            decoding, proposals, logits_all[: len(decoding)], results, strict=True
-        ):
-            kk = 0 if prop is None else int(prop.tokens.shape[0])
-            assert logits is not None
-            outs[id(s)] = self._commit(s, kk, n, cand, logits, t_draft, t_target)
+        for b, (s, (n, cand)) in enumerate(zip(decoding, results, strict=True)):
+            kk = batch.n_drafts[b]
+            outs[id(s)] = self._commit(s, kk, n, cand, logits[b, : kk + 1], t_draft, t_target)
         elapsed = time.perf_counter() - t0
-        for s, _n in chunks:
+        for s, _ in chunks:
             s.stats.prefill_s += elapsed
             if s.runner.length == len(s.tokens) - 1:
                 s.controller.observe_prefill(len(s.tokens) - 1, s.stats.prefill_s)
                 s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
             outs[id(s)] = None
         return [outs.get(id(s)) for s in seqs]
+
+    @staticmethod
+    def _prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
+        """The prompt tokens each prefilling sequence feeds this step, first come first served."""
+        chunks = []
+        for s in prefilling:
+            todo = len(s.tokens) - 1 - s.runner.length
+            n = todo if budget is None else min(todo, max(budget, 0))
+            if n <= 0 < todo:
+                continue  # over budget this step: its turn comes
+            if budget is not None:
+                budget -= n
+            chunks.append((s, n))
+        return chunks
+
+    def _forward(
+        self, decoding: list[Sequence], batch: DecodeBatch, chunks: list[tuple[Sequence, int]]
+    ) -> torch.Tensor:
+        """The target's one pass: decoding rows and prefill chunks; logits of the decoding rows
+        [B, W, V] (padding rows past a row's k hold garbage, never read)."""
+        runners = [s.runner for s in decoding]
+        model = getattr(runners[0], "batch_model", None) if runners else None
+        exact = {bool(getattr(r, "exact", False)) for r in runners}
+        batched = (
+            model is not None
+            and len(exact) == 1
+            and all(getattr(r, "batch_model", None) is model for r in runners)
+        )
+        todo = [(s, n) for s, n in chunks if n]
+        if batched and not todo:
+            assert model is not None
+            starts = [r.advance(1 + k) for r, k in zip(runners, batch.n_drafts, strict=True)]  # type: ignore[attr-defined]
+            return model.forward_batch([r.slot for r in runners], starts, batch.ids, exact.pop())  # type: ignore[attr-defined]
+        rows = [batch.ids[b, : 1 + k] for b, k in enumerate(batch.n_drafts)]
+        wants: list[Want] = ["all"] * len(rows)
+        for s, n in todo:
+            runners.append(s.runner)
+            rows.append(torch.tensor(s.tokens[s.runner.length : s.runner.length + n], device=s.target.device))
+            wants.append("none")
+        out = forward_many(runners, rows, wants) if runners else []
+        if not decoding:
+            return batch.ids.new_zeros(0, 1, 1, dtype=torch.float)
+        return pad_sequence([t for t in out[: len(decoding)] if t is not None], batch_first=True)
 
     def _costs(self, seq: Sequence) -> BatchCosts:
         return self.costs.setdefault(seq.target.name, BatchCosts())
@@ -306,31 +335,50 @@ class Engine:
         self,
         decoding: list[Sequence],
         proposals: list[Proposal | None],
-        logits_all: list[torch.Tensor | None],
+        batch: DecodeBatch,
+        logits: torch.Tensor,  # [B, W, V]
     ) -> list[tuple[int, list[int]]]:
-        """Verify every decoding row (pure functions, per row: each has its own sampling parameters
-        and generator); the step's one host sync reads every row's result at once."""
-        parts = []
-        for s, prop, logits in zip(decoding, proposals, logits_all, strict=True):
-            assert logits is not None
+        """Verify every decoding row with the pure verifiers: greedy rows without penalties all at
+        once, the others (their own sampling parameters, generator, penalties) row by row. The
+        step's one host sync reads every row's result at once: (accepted n, candidates [k+1])."""
+        plain = [
+            b for b, s in enumerate(decoding) if s.request.params.greedy and not s.request.params.penalised
+        ]
+        parts: list[torch.Tensor] = []
+        if plain:
+            if len(plain) == len(decoding):
+                n_t, am = verify_greedy_batch(batch.drafts, logits)
+            else:
+                idx = torch.tensor(plain, device=logits.device)
+                n_t, am = verify_greedy_batch(batch.drafts[idx], logits[idx])
+            parts += [n_t, am.flatten()]
+        others = [b for b in range(len(decoding)) if b not in set(plain)]
+        for b in others:
+            s, prop, k = decoding[b], proposals[b], batch.n_drafts[b]
             params = s.request.params
-            draft_tokens = prop.tokens if prop is not None else logits.new_zeros(0, dtype=torch.long)
-            processed = apply_penalties(logits, s.counts, draft_tokens, params)
+            draft_tokens = batch.drafts[b, :k]
+            processed = apply_penalties(logits[b, : k + 1], s.counts, draft_tokens, params)
             if params.greedy:
-                n_t, cand = verify_greedy(draft_tokens, processed)
+                n1, cand = verify_greedy(draft_tokens, processed)
             else:
                 probs = probs_from_logits(processed, params)
-                n_t, cand = verify_sampling(draft_tokens, prop.probs if prop else None, probs, s.generator)
-            parts.append(torch.cat([n_t[None], cand]))  # [1 + k + 1]
+                n1, cand = verify_sampling(draft_tokens, prop.probs if prop else None, probs, s.generator)
+            parts += [n1[None], cand]
         if not parts:
             return []
         flat = torch.cat(parts).tolist()  # the one host sync of the step
-        out, at = [], 0
-        for p in parts:
-            row = flat[at : at + p.shape[0]]
-            out.append((int(row[0]), row[1:]))
-            at += p.shape[0]
-        return out
+        out: dict[int, tuple[int, list[int]]] = {}
+        W, at = batch.width, 0
+        if plain:
+            ns, am_flat = flat[: len(plain)], flat[len(plain) : len(plain) * (1 + W)]
+            for i, b in enumerate(plain):
+                out[b] = (int(ns[i]), am_flat[i * W : i * W + batch.n_drafts[b] + 1])
+            at = len(plain) * (1 + W)
+        for b in others:
+            k = batch.n_drafts[b]
+            out[b] = (int(flat[at]), flat[at + 1 : at + 2 + k])
+            at += 2 + k
+        return [out[b] for b in range(len(decoding))]
 
     def _commit(
         self,

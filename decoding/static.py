@@ -402,6 +402,43 @@ class StaticModel:
             logits = self._step(step)
         return _split(rows, short, long, W, logits)
 
+    @torch.inference_mode()
+    def forward_batch(
+        self, slots: list[int], starts: list[int], ids: torch.Tensor, exact: bool = False
+    ) -> torch.Tensor:
+        """The decode-only step: ``ids`` [B, W] at cache positions ``starts[b] + j`` of ``slots[b]``
+        -> logits [B, W, V], valid until this model's next forward pass (the graph's buffer)."""
+        B, T = ids.shape
+        W = self.max_graph_tokens if exact else T
+        if W > T:  # exact: every row at the one width
+            ids = F.pad(ids, (0, W - T))
+        assert max(starts) + W <= self.cache_len, "a step past the end of the static cache"
+        if self.step_override is not None or self.max_graph_tokens < W:
+            rows = [Row(s, ids[b, :T], st) for b, (s, st) in enumerate(zip(slots, starts, strict=True))]
+            return torch.stack([t for t in self.forward_rows(rows, exact) if t is not None])
+        L = self._attn_len(max(starts) + W, exact)
+        if self.graphs_enabled:
+            Bb = _bucket(B)
+            key = (Bb, W, L, slots[0] if Bb == 1 else -1)
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = _Graph(self, Bb, W, L, key[3])
+            return graph.run(slots, starts, ids)[:, :T]
+        slot_t = torch.tensor(slots).to(self.device, non_blocking=True)  # [B]
+        start_t = torch.tensor(starts).to(self.device, non_blocking=True)  # [B]
+        step = StepRows(
+            ids=ids.reshape(-1),
+            pos=(start_t[:, None] + self.positions[None, :W]).view(-1),
+            slot_of=slot_t.repeat_interleave(W),
+            batch=B,
+            width=W,
+            slots=slot_t,
+            attn_len=L,
+            one_slot=slots[0] if B == 1 else None,
+            singles=[],
+        )
+        return self._step(step).view(B, W, -1)[:, :T]
+
     def _plan(self, short: list[Row], long: list[Row], W: int, exact: bool) -> StepRows:
         ids, pos, slot_of = [], [], []
         for r in short:  # padded to W: the padding writes past the row's length, which nothing reads
@@ -528,6 +565,20 @@ class _Graph:
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
             self.out = m._step(self.step)
 
+    def run(self, slots: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, W], B <= the graph's batch -> logits [B, W, V], a view of the graph's buffer."""
+        m, W, B = self.m, self.W, ids.shape[0]
+        pad = self.B - B
+        host = torch.tensor([*starts, *([0] * pad)]), torch.tensor([*slots, *([m.scratch] * pad)])
+        start_t, slot_t = (t.to(m.device, non_blocking=True) for t in host)
+        self.step.ids.view(self.B, W)[:B].copy_(ids)
+        self.step.pos.copy_((start_t[:, None] + m.positions[None, :W]).view(-1))
+        if self.B > 1:
+            self.step.slots.copy_(slot_t)
+            self.step.slot_of.copy_(slot_t.repeat_interleave(W))
+        self.graph.replay()
+        return self.out.view(self.B, W, -1)[:B]
+
     def replay(self, rows: list[Row]) -> torch.Tensor:
         m, W = self.m, self.W
         n = len(rows)
@@ -570,6 +621,12 @@ class StaticRunner:
     def max_step_tokens(self) -> int | None:
         """Exact mode: the most tokens one step can take and stay bit-identical to 1-token steps."""
         return self.m.max_graph_tokens if self.exact else None
+
+    def advance(self, n: int) -> int:
+        """The cache position of this sequence's next token, before ``n`` more are appended."""
+        start = self._length
+        self._length += n
+        return start
 
     def row(self, tokens: Tokens, logits: Want = "all") -> Row:
         """This sequence's next ``tokens`` as a row of a batched step; the length moves on."""

@@ -31,6 +31,18 @@ def verify_greedy(
     return n, target_argmax
 
 
+def verify_greedy_batch(
+    drafts: torch.Tensor,  # [B, K] drafted tokens, padded past each row's k with a token id never drawn (-1)
+    target_logits: torch.Tensor,  # [B, K+1, V] processed logits
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_greedy for B rows at once: ``n`` [B] leading agreements (a padded draft never agrees,
+    so a row stops at its own k) and the target's argmax [B, K+1]."""
+    K = drafts.shape[1]
+    target_argmax = target_logits.argmax(-1)  # [B, K+1]
+    n = (target_argmax[:, :K] == drafts).int().cumprod(1).sum(1)  # [B]
+    return n, target_argmax
+
+
 def verify_sampling(
     draft_tokens: torch.Tensor,  # [k]
     draft_probs: torch.Tensor | None,  # [k, V]; None: the drafter is deterministic (prompt lookup)

@@ -26,6 +26,7 @@ def gpu_models():
                 device="cuda",
                 backend="cuda_graphs",
                 max_context=512,
+                slots=16,
             ),
             ModelSpec(
                 "tiny-draft",
@@ -34,6 +35,7 @@ def gpu_models():
                 device="cuda",
                 backend="cuda_graphs",
                 max_context=512,
+                slots=16,
             ),
             ModelSpec(
                 "tiny-eager", "tiny-random", dtype="float32", device="cuda", backend="eager", max_context=512
@@ -130,3 +132,25 @@ def test_exact_speculation_in_bf16_is_token_identical():
             GenerationRequest("b", "t", ids, p, SpecParams(SpecMode.DRAFT, max_k=k, adaptive=False))
         )
         assert got == expected
+
+
+@pytest.mark.parametrize("mode,k", [("off", 1), ("draft", 3), ("ngram", 5)])
+def test_batched_graphs_give_each_request_its_output_alone(gpu_models, mode, k):
+    """Batches of 1..8 rows through graphs of every batch bucket (float32): each request's greedy
+    output equals its output alone, whoever joins or leaves."""
+    from tests.decoding.test_batch import run_batch
+
+    engine = Engine(gpu_models)
+    reqs = [
+        GenerationRequest(
+            f"g{i}",
+            "tiny",
+            list(range(30 + i, 60 + 7 * i)),
+            SamplingParams(max_tokens=20 + 3 * i, temperature=0, ignore_eos=True),
+            SpecParams(SpecMode(mode), max_k=k, adaptive=False),
+        )
+        for i in range(8)
+    ]
+    expected = {r.request_id: engine.generate(r)[0] for r in reqs}
+    assert run_batch(engine, reqs) == expected
+    assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 2, 5, 9, 9], budget=16) == expected

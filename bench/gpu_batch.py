@@ -1,0 +1,321 @@
+"""Batched engine on the GPU (H200): N concurrent requests through ``AsyncEngine``, real architectures
+at real sizes with random weights (Qwen2.5-7B-shaped target, 0.5B-shaped draft, bf16).
+
+Imports only ``decoding/`` and ``bench/`` (the device image has torch and transformers, not the web
+stack). Writes every number to ``--out`` (JSON) after each stage; ``--report`` renders a saved JSON
+into docs/benchmarks.md's section and its plot (run where matplotlib is).
+
+    python -m bench.gpu_batch [--quick] [--no-compile]
+    python -m bench.gpu_batch --report bench/results_gpu_batch.json
+
+Measured, in one run:
+  1. N = 1, 2, 4, 8, 16, 32, 64 concurrent requests (128-token prompts, 128 new tokens, greedy):
+     aggregate tok/s, decode tok/s and its fraction of the bandwidth roofline of a batched step
+     (weights plus each row's KV bytes), p50/p99 inter-token latency, TTFT; speculation off, on (a
+     replay drafter: the real draft model runs for its cost, its proposals are the target's own
+     continuation corrupted to acceptance 0.8; k = 4) and auto (the same drafter, adaptive k and the
+     batch-aware cap); on and auto outputs checked against off, token for token;
+  2. transformers' static-cache batched ``generate`` at the same N (prefill included, as above);
+  3. p50/p99 inter-token latency of 16 decoding streams while a 4,000-token prompt is prefilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+import transformers
+
+from bench.gpu import DRAFT, TARGET, build, copy_bandwidth, save, weight_bytes
+from decoding.async_engine import AsyncEngine
+from decoding.drafters import DraftModelDrafter, _Drafting
+from decoding.engine import Engine, LoadedModel
+from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.static import StaticModel
+
+PROMPT, NEW = 128, 128
+LONG_PROMPT = 4000
+MAX_LEN = 4352
+NS = (1, 2, 4, 8, 16, 32, 64)
+ACCEPTANCE = 0.8
+K_ON = 4
+
+
+class ReplayDrafter(DraftModelDrafter):
+    """Runs the real draft model (its cost, batched with the other rows), but proposes the target's
+    reference continuation, each position kept with probability ``acceptance`` (drawn once)."""
+
+    def __init__(self, inner: DraftModelDrafter, reference: torch.Tensor, prompt_len: int):
+        super().__init__(inner.runner, inner.device, 0.0)
+        self.reference = reference  # [NEW + 16] corrupted continuation, on the device
+        self.prompt_len = prompt_len
+
+    def _pick(self, row: torch.Tensor, state: _Drafting, last: bool) -> bool:
+        ok = super()._pick(row, state, last)  # the draft's own work, then its token is replaced
+        i = len(state.tokens) - self.prompt_len + len(state.drafted) - 1
+        state.drafted[-1] = self.reference[i : i + 1]
+        return ok
+
+
+class ReplayEngine(Engine):
+    references: dict[str, torch.Tensor]
+    prompt_len: int
+
+    def _drafter(self, target, request):  # type: ignore[no-untyped-def]
+        d = super()._drafter(target, request)
+        if isinstance(d, DraftModelDrafter) and request.request_id in self.references:
+            return ReplayDrafter(d, self.references[request.request_id], self.prompt_len)
+        return d
+
+
+def corrupt(reference: list[int], acceptance: float, gen: torch.Generator) -> torch.Tensor:
+    ref = torch.tensor(reference + [0] * 16)
+    keep = torch.rand(ref.shape[0], generator=gen) < acceptance
+    wrong = (ref + 1 + torch.randint(1000, ref.shape, generator=gen)) % 150000
+    return torch.where(keep, ref, wrong).cuda()
+
+
+async def run_requests(ae: AsyncEngine, reqs: list[GenerationRequest], late: GenerationRequest | None = None):
+    """Every request at once; per request (submit, [(time, tokens)]). ``late`` is submitted once the
+    others have 16 tokens each; its (submit, first token) window is returned too."""
+    t_sub: dict[str, float] = {}
+    chunks: dict[str, list[tuple[float, int]]] = {r.request_id: [] for r in reqs}
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    window: list[float] = []
+    started = asyncio.Event()
+
+    async def one(r: GenerationRequest) -> None:
+        t_sub[r.request_id] = time.perf_counter()
+        async for out in ae.generate(r):
+            if out.token_ids:
+                chunks[r.request_id].append((time.perf_counter(), len(out.token_ids)))
+                outputs[r.request_id].extend(out.token_ids)
+            if late is not None and all(len(v) >= 16 for v in outputs.values()):
+                started.set()
+
+    async def submit_late() -> None:
+        assert late is not None
+        await started.wait()
+        t0 = time.perf_counter()
+        async for out in ae.generate(late):
+            if out.token_ids:
+                window.extend([t0, time.perf_counter()])
+                break
+
+    tasks = [one(r) for r in reqs] + ([submit_late()] if late is not None else [])
+    await asyncio.gather(*tasks)
+    return t_sub, chunks, outputs, window[:2]
+
+
+def summarise(t_sub, chunks, n_rows: int, kv_row_bytes: float, weights: float, bw: float) -> dict[str, Any]:
+    first = {r: c[0][0] for r, c in chunks.items()}
+    last = max(c[-1][0] for c in chunks.values())
+    total = sum(n for c in chunks.values() for _, n in c)
+    gaps = []  # per token: a chunk of n tokens after a gap g counts n gaps of g / n
+    for c in chunks.values():
+        for (t0, _), (t1, n) in itertools.pairwise(c):
+            gaps += [(t1 - t0) / n] * n
+    gaps.sort()
+    t_start = min(t_sub.values())
+    decode_from = max(first.values())
+    decode_tokens = sum(n for c in chunks.values() for t, n in c if t > decode_from)
+    decode_tps = decode_tokens / (last - decode_from) if last > decode_from else float("nan")
+    # a batched step reads the weights once and each row's cache (mean context: prompt + NEW / 2)
+    roofline = n_rows * bw / (weights + n_rows * kv_row_bytes * (PROMPT + NEW / 2))
+    return {
+        "aggregate_tps": total / (last - t_start),
+        "decode_tps": decode_tps,
+        "roofline_tps": roofline,
+        "roofline_fraction": decode_tps / roofline,
+        "itl_p50_ms": 1e3 * gaps[len(gaps) // 2] if gaps else None,
+        "itl_p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
+        "ttft_p50_ms": 1e3 * statistics.median(first[r] - t_sub[r] for r in chunks),
+        "ttft_max_ms": 1e3 * max(first[r] - t_sub[r] for r in chunks),
+        "tokens": total,
+    }
+
+
+def hf_generate_tps(model, N: int, ids: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    x = ids[:N].cuda()
+    kw = dict(
+        do_sample=False, cache_implementation="static", attention_mask=torch.ones_like(x), pad_token_id=0
+    )
+    model.generate(x, max_new_tokens=4, min_new_tokens=4, **kw)  # warm
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(x, max_new_tokens=NEW, min_new_tokens=NEW, **kw)
+    torch.cuda.synchronize()
+    return N * NEW / (time.perf_counter() - t)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results_gpu_batch.json")
+    ap.add_argument("--quick", action="store_true", help="N up to 16, no transformers comparison")
+    ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without inductor")
+    ap.add_argument("--report", help="render a saved JSON into docs/benchmarks.md and stop")
+    args = ap.parse_args(argv)
+    if args.report:
+        from bench.report_gpu_batch import render
+
+        render(args.report)
+        return
+    wall = time.perf_counter()
+    R: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m bench.gpu_batch" + " --quick" * args.quick + " --no-compile" * args.no_compile,
+        "prompt": PROMPT,
+        "new": NEW,
+        "acceptance": ACCEPTANCE,
+        "k_on": K_ON,
+    }
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    bw = R["copy_bandwidth_Bps"] = copy_bandwidth()
+    target, draft = build(TARGET, 0), build(DRAFT, 1)
+    weights = R["target_weight_bytes"] = weight_bytes(target)
+    cfg = target.config
+    kv_row = (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    )
+    R["kv_bytes_per_token"] = kv_row
+    ns = [n for n in NS if n <= 16] if args.quick else list(NS)
+    slots = max(ns) + 2
+    t0 = time.perf_counter()
+    compiled = not args.no_compile
+    try:
+        tm = StaticModel(target, MAX_LEN, slots=slots, graphs=True, compile_step=compiled)
+        dm = StaticModel(draft, MAX_LEN, slots=slots, graphs=True, compile_step=compiled)
+        tm.warm()
+        dm.warm()
+    except Exception as exc:  # inductor failing on a new torch: graphs alone
+        R["compile_error"] = repr(exc)[:400]
+        compiled = False
+        tm = StaticModel(target, MAX_LEN, slots=slots, graphs=True)
+        dm = StaticModel(draft, MAX_LEN, slots=slots, graphs=True)
+    R["compiled"] = compiled
+    R["setup_s"] = time.perf_counter() - t0
+    print(f"setup {R['setup_s']:.0f}s compiled={compiled}", flush=True)
+    models = {
+        "target": LoadedModel(
+            "target", target, None, draft="draft", max_context=MAX_LEN, runner_factory=tm.runner
+        ),
+        "draft": LoadedModel(
+            "draft",
+            draft,
+            None,
+            max_context=MAX_LEN,
+            runner_factory=dm.runner,
+            draft_runner_factory=dm.draft_runner,
+        ),
+    }
+    engine = ReplayEngine(models)
+    engine.references, engine.prompt_len = {}, PROMPT
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 150000, (max(ns) + 1, PROMPT), generator=gen)
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    modes = {
+        "off": SpecParams(SpecMode.OFF),
+        "on": SpecParams(SpecMode.DRAFT, max_k=K_ON, adaptive=False),
+        "auto": SpecParams(SpecMode.DRAFT, max_k=8, adaptive=True),
+    }
+
+    def requests(N: int, mode: str) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(f"{mode}-{N}-{i}", "target", prompts[i].tolist(), params, modes[mode])
+            for i in range(N)
+        ]
+
+    R["engine"] = {}
+    for N in ns:
+        ae = AsyncEngine(engine, max_active=N, max_queued=N, prefill_budget=256)
+        try:
+            # a warm-up pass captures this N's graphs (every width the modes use) before timing
+            asyncio.run(run_requests(ae, requests(N, "off")[:N]))
+            row: dict[str, Any] = {}
+            ref_out: dict[int, list[int]] = {}
+            for mode in modes:
+                reqs = requests(N, mode)
+                if mode != "off":
+                    for i, r in enumerate(reqs):
+                        engine.references[r.request_id] = corrupt(ref_out[i], ACCEPTANCE, gen)
+                    asyncio.run(run_requests(ae, requests(N, mode)[:N]))  # warm this mode's graphs
+                    for i, r in enumerate(reqs):
+                        engine.references[r.request_id] = corrupt(ref_out[i], ACCEPTANCE, gen)
+                t_sub, chunks, outs, _ = asyncio.run(run_requests(ae, reqs))
+                s = summarise(t_sub, chunks, N, kv_row, weights, bw)
+                if mode == "off":
+                    ref_out = {i: outs[r.request_id] for i, r in enumerate(reqs)}
+                else:
+                    same = sum(outs[r.request_id] == ref_out[i] for i, r in enumerate(reqs))
+                    s["identical_to_off"] = f"{same}/{N}"
+                    steps = sum(len(c) for c in chunks.values())
+                    s["tokens_per_step"] = s["tokens"] / steps
+                row[mode] = s
+                print(
+                    f"N={N} {mode}: {s['aggregate_tps']:.0f} tok/s aggregate, decode {s['decode_tps']:.0f} "
+                    f"({s['roofline_fraction']:.0%} of roofline), ITL p50 {s['itl_p50_ms']:.1f} p99 {s['itl_p99_ms']:.1f} ms, "
+                    f"TTFT p50 {s['ttft_p50_ms']:.0f} ms {s.get('identical_to_off', '')} [{time.perf_counter() - wall:.0f}s]",
+                    flush=True,
+                )
+            R["engine"][N] = row
+            save(R, args.out)
+        finally:
+            ae.shutdown()
+
+    # 3. a long prompt prefilled in chunks beside 16 decoding streams
+    N = min(16, max(ns))
+    ae = AsyncEngine(engine, max_active=N + 1, max_queued=N + 1, prefill_budget=256)
+    try:
+        long_ids = torch.randint(0, 150000, (LONG_PROMPT,), generator=gen).tolist()
+        late = GenerationRequest(
+            "long", "target", long_ids, SamplingParams(max_tokens=4, temperature=0), modes["off"]
+        )
+        t_sub, chunks, _, window = asyncio.run(run_requests(ae, requests(N, "off"), late))
+        inside = []
+        for c in chunks.values():
+            for (t0_, _), (t1, n) in itertools.pairwise(c):
+                if window and window[0] <= t1 <= window[1]:
+                    inside += [(t1 - t0_) / n] * n
+        inside.sort()
+        s = summarise(t_sub, chunks, N, kv_row, weights, bw)
+        R["prefill_interference"] = {
+            "N": N,
+            "prefill_budget": 256,
+            "long_prompt": LONG_PROMPT,
+            "window_ms": 1e3 * (window[1] - window[0]) if window else None,
+            "itl_p50_ms": s["itl_p50_ms"],
+            "itl_p99_ms": s["itl_p99_ms"],
+            "itl_p50_during_prefill_ms": 1e3 * inside[len(inside) // 2] if inside else None,
+            "itl_max_during_prefill_ms": 1e3 * inside[-1] if inside else None,
+        }
+        print(f"prefill interference: {R['prefill_interference']}", flush=True)
+        save(R, args.out)
+    finally:
+        ae.shutdown()
+
+    # 2. transformers' static batched generate at the same N
+    if not args.quick:
+        R["transformers"] = {}
+        for N in ns:
+            try:
+                R["transformers"][N] = hf_generate_tps(target, N, prompts)
+            except Exception as exc:
+                R["transformers"][N] = repr(exc)[:200]
+            print(f"transformers N={N}: {R['transformers'][N]}", flush=True)
+            save(R, args.out)
+    R["wall_s"] = time.perf_counter() - wall
+    save(R, args.out)
+
+
+if __name__ == "__main__":
+    main()
