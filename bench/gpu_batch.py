@@ -42,6 +42,7 @@ from decoding.static import StaticModel
 PROMPT, NEW = 128, 128
 LONG_PROMPT = 4000
 MAX_LEN = 4352
+EXACT_LEN = 512
 NS = (1, 2, 4, 8, 16, 32, 64)
 ACCEPTANCE = 0.8
 K_ON = 4
@@ -114,6 +115,9 @@ async def run_requests(ae: AsyncEngine, reqs: list[GenerationRequest], late: Gen
 
 
 def summarise(t_sub, chunks, n_rows: int, kv_row_bytes: float, weights: float, bw: float) -> dict[str, Any]:
+    empty = [r for r, c in chunks.items() if not c]
+    if empty:
+        return {"error": f"{len(empty)} requests produced no tokens"}
     first = {r: c[0][0] for r, c in chunks.items()}
     last = max(c[-1][0] for c in chunks.values())
     total = sum(n for c in chunks.values() for _, n in c)
@@ -202,84 +206,94 @@ def main(argv: list[str] | None = None) -> None:
         compiled = False
         tm = StaticModel(target, MAX_LEN, slots=slots, graphs=True)
         dm = StaticModel(draft, MAX_LEN, slots=slots, graphs=True)
+    # speculation is compared in exact mode (every row at one width over the whole cache), where a
+    # verification row rounds as a 1-token row does: in fast mode random weights tie their top two
+    # logits at bf16 resolution often enough that outputs part within 128 tokens, and the replay's
+    # reference (the target-only output) stops matching. A short context keeps exact attention cheap.
+    te = StaticModel(target, EXACT_LEN, slots=slots, graphs=True, compile_step=compiled, exact=True)
     R["compiled"] = compiled
     R["setup_s"] = time.perf_counter() - t0
     print(f"setup {R['setup_s']:.0f}s compiled={compiled}", flush=True)
-    models = {
-        "target": LoadedModel(
-            "target", target, None, draft="draft", max_context=MAX_LEN, runner_factory=tm.runner
-        ),
-        "draft": LoadedModel(
-            "draft",
-            draft,
-            None,
-            max_context=MAX_LEN,
-            runner_factory=dm.runner,
-            draft_runner_factory=dm.draft_runner,
-        ),
-    }
-    engine = ReplayEngine(models)
-    engine.references, engine.prompt_len = {}, PROMPT
+
+    def engine_on(static: StaticModel, max_len: int) -> ReplayEngine:
+        models = {
+            "target": LoadedModel(
+                "target", target, None, draft="draft", max_context=max_len, runner_factory=static.runner
+            ),
+            "draft": LoadedModel(
+                "draft",
+                draft,
+                None,
+                max_context=MAX_LEN,
+                runner_factory=dm.runner,
+                draft_runner_factory=dm.draft_runner,
+            ),
+        }
+        e = ReplayEngine(models)
+        e.references, e.prompt_len = {}, PROMPT
+        return e
+
+    fast, exact = engine_on(tm, MAX_LEN), engine_on(te, EXACT_LEN)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 150000, (max(ns) + 1, PROMPT), generator=gen)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    modes = {
-        "off": SpecParams(SpecMode.OFF),
-        "on": SpecParams(SpecMode.DRAFT, max_k=K_ON, adaptive=False),
-        "auto": SpecParams(SpecMode.DRAFT, max_k=8, adaptive=True),
+    off = SpecParams(SpecMode.OFF)
+    modes = {  # name: (engine, speculation)
+        "off": (fast, off),
+        "off_exact": (exact, off),
+        "on": (exact, SpecParams(SpecMode.DRAFT, max_k=K_ON, adaptive=False)),
+        "auto": (exact, SpecParams(SpecMode.DRAFT, max_k=8, adaptive=True)),
     }
 
     def requests(N: int, mode: str) -> list[GenerationRequest]:
+        spec = modes[mode][1]
         return [
-            GenerationRequest(f"{mode}-{N}-{i}", "target", prompts[i].tolist(), params, modes[mode])
+            GenerationRequest(f"{mode}-{N}-{i}", "target", prompts[i].tolist(), params, spec)
             for i in range(N)
         ]
 
+    def replay(engine: ReplayEngine, reqs: list[GenerationRequest], ref: dict[int, list[int]]) -> None:
+        for i, r in enumerate(reqs):
+            engine.references[r.request_id] = corrupt(ref.get(i, []), ACCEPTANCE, gen)
+
     R["engine"] = {}
     for N in ns:
-        ae = AsyncEngine(engine, max_active=N, max_queued=N, prefill_budget=256)
+        engines = {id(fast): AsyncEngine(fast, N, N, 256), id(exact): AsyncEngine(exact, N, N, 256)}
         try:
-            # a warm-up pass captures this N's graphs (every width the modes use) before timing
-            asyncio.run(run_requests(ae, requests(N, "off")[:N]))
             row: dict[str, Any] = {}
             ref_out: dict[int, list[int]] = {}
-            for mode in modes:
+            # warm-up passes capture this N's graphs (both target modes, the draft) before timing
+            asyncio.run(run_requests(engines[id(fast)], requests(N, "off")))
+            warm = requests(N, "on")
+            replay(exact, warm, {})
+            asyncio.run(run_requests(engines[id(exact)], warm))
+            for mode, (engine, _) in modes.items():
+                ae = engines[id(engine)]
                 reqs = requests(N, mode)
-                if mode != "off":
-                    for i, r in enumerate(reqs):
-                        engine.references[r.request_id] = corrupt(ref_out[i], ACCEPTANCE, gen)
-                    asyncio.run(run_requests(ae, requests(N, mode)[:N]))  # warm this mode's graphs
-                    for i, r in enumerate(reqs):
-                        engine.references[r.request_id] = corrupt(ref_out[i], ACCEPTANCE, gen)
+                replay(engine, reqs, ref_out)
                 t_sub, chunks, outs, _ = asyncio.run(run_requests(ae, reqs))
                 s = summarise(t_sub, chunks, N, kv_row, weights, bw)
-                if mode == "off":
+                if mode == "off_exact":
                     ref_out = {i: outs[r.request_id] for i, r in enumerate(reqs)}
-                else:
+                elif mode != "off":
                     same = sum(outs[r.request_id] == ref_out[i] for i, r in enumerate(reqs))
                     s["identical_to_off"] = f"{same}/{N}"
-                    steps = sum(len(c) for c in chunks.values())
-                    s["tokens_per_step"] = s["tokens"] / steps
+                    s["tokens_per_step"] = s.get("tokens", 0) / max(1, sum(len(c) for c in chunks.values()))
                 row[mode] = s
-                print(
-                    f"N={N} {mode}: {s['aggregate_tps']:.0f} tok/s aggregate, decode {s['decode_tps']:.0f} "
-                    f"({s['roofline_fraction']:.0%} of roofline), ITL p50 {s['itl_p50_ms']:.1f} p99 {s['itl_p99_ms']:.1f} ms, "
-                    f"TTFT p50 {s['ttft_p50_ms']:.0f} ms {s.get('identical_to_off', '')} [{time.perf_counter() - wall:.0f}s]",
-                    flush=True,
-                )
+                print(f"N={N} {mode}: {s} [{time.perf_counter() - wall:.0f}s]", flush=True)
             R["engine"][N] = row
             save(R, args.out)
         finally:
-            ae.shutdown()
+            for ae in engines.values():
+                ae.shutdown()
+    engine = fast
 
     # 3. a long prompt prefilled in chunks beside 16 decoding streams
     N = min(16, max(ns))
-    ae = AsyncEngine(engine, max_active=N + 1, max_queued=N + 1, prefill_budget=256)
+    ae = AsyncEngine(engine, max_active=N + 1, max_queued=N + 1, prefill_budget=256)  # fast mode
     try:
         long_ids = torch.randint(0, 150000, (LONG_PROMPT,), generator=gen).tolist()
-        late = GenerationRequest(
-            "long", "target", long_ids, SamplingParams(max_tokens=4, temperature=0), modes["off"]
-        )
+        late = GenerationRequest("long", "target", long_ids, SamplingParams(max_tokens=4, temperature=0), off)
         t_sub, chunks, _, window = asyncio.run(run_requests(ae, requests(N, "off"), late))
         inside = []
         for c in chunks.values():

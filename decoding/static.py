@@ -357,7 +357,10 @@ class StaticModel:
                     attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], masks[i + bool(B)], self.dims)[0]
                 )
                 off += T
-            x = self._out(x, outs[0] if len(outs) == 1 else torch.cat(outs), w, self.dims)
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * hd]
+            if self.compiled and o.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(o, 0)  # a new tensor each layer: marked like x
+            x = self._out(x, o, w, self.dims)
         return x
 
     def _mask(self, hidden: torch.Tensor) -> torch.Tensor:
