@@ -555,8 +555,7 @@ class _Graph:
             one_slot=s if B == 1 else None,
             singles=[],
         )
-        if B == 1:
-            self.step.slot_of.fill_(s)
+        if B == 1:  # reads the slot's cache as a view; warm-up and capture still write to the scratch slot
             self.step.slots.fill_(s)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -578,7 +577,7 @@ class _Graph:
         self.step.pos.copy_((start_t[:, None] + m.positions[None, :W]).view(-1))
         if self.B > 1:
             self.step.slots.copy_(slot_t)
-            self.step.slot_of.copy_(slot_t.repeat_interleave(W))
+        self.step.slot_of.copy_(slot_t.repeat_interleave(W))
         self.graph.replay()
         return self.out.view(self.B, W, -1)[:B]
 
@@ -596,7 +595,7 @@ class _Graph:
         self.step.pos.copy_((starts[:, None] + m.positions[None, :W]).view(-1))
         if self.B > 1:
             self.step.slots.copy_(slots)
-            self.step.slot_of.copy_(slots.repeat_interleave(W))
+        self.step.slot_of.copy_(slots.repeat_interleave(W))
         self.graph.replay()
         return self.out[: n * W].clone()  # the buffer is overwritten by the next replay
 
