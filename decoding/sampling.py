@@ -36,10 +36,17 @@ def apply_penalties(
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[T, V] logits -> [T, V] float32 probabilities after temperature, top-k and top-p."""
+    """[T, V] logits -> [T, V] float32 probabilities after temperature, top-k and top-p.
+
+    Stable for any temperature > 0 and top_p > 0: logits are shifted so each row's maximum is 0
+    before dividing (a tiny temperature then sends the others to -inf, never inf - inf = NaN: the
+    distribution becomes the greedy one-hot, ties shared), and top-p always keeps the most likely token.
+    """
     logits = logits.float()
     if params.temperature > 0:
-        logits = logits / params.temperature
+        # below float32's smallest normal the divisor itself would round to 0 (then 0 / 0)
+        temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+        logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [T, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -48,6 +55,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token once the mass strictly before it already reaches top_p (the first always stays)
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop_sorted[..., 0] = False  # the most likely token stays, whatever rounding did to its mass
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

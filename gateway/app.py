@@ -36,6 +36,7 @@ from gateway.limits import RateLimiter, RedisBuckets
 from gateway.local import LocalBackend
 from gateway.observability import Observability
 from gateway.observability.metrics import Metrics
+from gateway.observability.record import MAX_CLIENT_CHARS
 from gateway.remote import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
@@ -211,7 +212,14 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/completions": {"post": op("Legacy completion", "CompletionRequest", "Completion", True)},
             "/v1/models": {"get": op("List models", None, "ModelList")},
-            "/v1/models/{model_id}": {"get": op("One model", None, "ModelCard")},
+            "/v1/models/{model_id}": {
+                "get": op("One model", None, "ModelCard")
+                | {
+                    "parameters": [
+                        {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ]
+                }
+            },
             "/health": {"get": {"summary": "Liveness", "responses": {"200": {"description": "alive"}}}},
             "/ready": {
                 "get": {
@@ -240,7 +248,11 @@ async def openapi(request: Request) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    err = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind)
+    path = request.url.path[:MAX_CLIENT_CHARS]
+    # exc.headers carries 405's Allow, which the response must keep
+    err = APIError(
+        exc.status_code, f"{exc.detail}: {request.method} {path}", kind, headers=dict(exc.headers or {})
+    )
     return error_response(err)
 
 
@@ -276,6 +288,12 @@ def create_app(
     ``observability``: tests pass one built with an in-memory tracer provider."""
     owned = observability is None
     obs = observability or Observability(settings.observability, models=[m.name for m in settings.models])
+    # every name a client may send in `model` gets a label of its own; other names are "unknown"
+    obs.metrics.know_models(
+        [m.name for m in settings.models]
+        + ["auto", settings.router.default_alias]
+        + [name for u in settings.upstreams for name in (u.name, u.model)]
+    )
     state = GatewayState(
         settings=settings,
         limiter=rate_limiter(settings, obs.metrics),

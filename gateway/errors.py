@@ -64,8 +64,8 @@ def _loc(loc: tuple[int | str, ...]) -> str | None:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]"):
-            continue  # union branch names pydantic adds to a location
+        elif part in ("str", "int") or "[" in part:
+            continue  # union branch names pydantic adds to a location (list[str], list[function-before...])
         else:
             out += f".{part}" if out else str(part)
     return out or None

@@ -1,7 +1,9 @@
 """The local backend: chat template -> token ids -> ``AsyncEngine`` -> safe text.
 
 Each choice runs in its own pump task (an engine request of its own; seeded ``seed + j`` so n seeded
-choices differ yet repeat), and the pumps feed one queue that ``Generation`` iterates. Closing the
+choices differ yet repeat). The engine knows a choice by an id generated here, never by the client's
+``x-request-id``: that one is only a label, and two requests may carry the same one (by accident, or
+one tenant reusing another's) without colliding in the engine or aborting each other, and the pumps feed one queue that ``Generation`` iterates. Closing the
 generation cancels the pumps, which leaves each engine iterator and so aborts the engine request
 within one step (the disconnect path, streaming or not).
 """
@@ -9,6 +11,7 @@ within one step (the disconnect path, streaming or not).
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -17,6 +20,7 @@ from decoding.errors import EngineStopped
 from decoding.params import FinishReason, GenerationRequest, RequestStats, SamplingParams, StepOutput
 from gateway.backends import Delta, Generation, Job, LogprobEntry
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher
+from gateway.errors import bad_request
 
 _DONE = object()  # a pump finished its choice
 
@@ -41,17 +45,25 @@ class LocalBackend:
             ids = list(enc["input_ids"])
             return [(ids, "")]
         out = []
+        vocab = len(tok)
         for p in job.prompts or []:
             if isinstance(p, str):
                 out.append((list(tok(p)["input_ids"]), p))
             else:
+                bad = next((t for t in p if not 0 <= t < vocab), None)
+                if bad is not None:  # the model would index past its embeddings, after the 200
+                    raise bad_request(
+                        f"Token id {bad} in prompt is outside the vocabulary of model '{job.model}' "
+                        f"(ids 0 to {vocab - 1}).",
+                        param="prompt",
+                    )
                 out.append((list(p), tok.decode(p, skip_special_tokens=True)))
         return out
 
     def _requests(self, job: Job, prompts: list[tuple[list[int], str]]) -> list[GenerationRequest]:
         context = self.engine.engine.model(job.model).max_context
         reqs = []
-        for p, (ids, _) in enumerate(prompts):
+        for ids, _ in prompts:
             # no limit given: as many as fit, up to the server default (never a PromptTooLong for it)
             max_tokens = job.max_tokens or max(1, min(self.default_max_tokens, context - len(ids)))
             for j in range(job.n):
@@ -65,9 +77,7 @@ class LocalBackend:
                     frequency_penalty=job.frequency_penalty,
                     logprobs=job.logprobs,
                 )
-                reqs.append(
-                    GenerationRequest(f"{job.request_id}-{p * job.n + j}", job.model, ids, params, job.spec)
-                )
+                reqs.append(GenerationRequest(uuid.uuid4().hex, job.model, ids, params, job.spec))
         return reqs
 
     async def start(self, job: Job) -> Generation:

@@ -1,15 +1,17 @@
 """The OpenAI wire schemas (requests and responses), in one module.
 
 Requests validate strictly (OpenAI refuses ``"max_tokens": "5"``; so do we) and ignore unknown fields
-as OpenAI does. Parameters we cannot honour yet are declared so they can be refused by name
+as OpenAI does. Integers may arrive as integral floats (``568.0``: JSON Schema's ``integer`` admits
+them, so schema-driven clients send them) and every integer has a range it can be held in, so an
+out-of-range value is a 400 here and never an overflow further down. Parameters we cannot honour yet are declared so they can be refused by name
 (``UNSUPPORTED``) rather than silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 # Declared on requests only to be refused with a 400 naming them (see serving.refuse_unsupported).
 UNSUPPORTED = (
@@ -28,6 +30,17 @@ UNSUPPORTED = (
 )
 
 
+def _integral(value: Any) -> Any:
+    """568.0 -> 568; anything else goes on to strict int validation (which refuses 568.5, "5", true)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -42,7 +55,7 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["auto", "off", "draft", "ngram"] = "auto"
-    max_k: int | None = Field(default=None, ge=1, le=32)
+    max_k: Int | None = Field(default=None, ge=1, le=32)
     # false: always draft max_k tokens, skipping the adaptive k and the goodput check (benchmarks,
     # and tests that must see speculation on hardware where it does not pay)
     adaptive: bool | None = None
@@ -76,19 +89,20 @@ class _Sampling(_Request):
     """Fields shared by chat and legacy completions."""
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: Int = Field(default=1, ge=1, le=INT64_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # n seeded choices use seed, seed + 1, ...: the range keeps every one within a 64-bit generator seed
+    seed: Int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extra body fields (the SDK's extra_body)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: Int | None = Field(default=None, ge=0, le=INT64_MAX)
     speculative: SpeculativeOptions | None = None
     stream_granularity: Literal["step", "token"] | None = None
     # refused by name when present
@@ -116,9 +130,12 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # as OpenAI documents it: "logprobs must be set to true if this parameter is used" (else a 400)
+    top_logprobs: Int | None = Field(
+        default=None, ge=0, le=20, description="Needs logprobs: true; without it the request is refused."
+    )
 
     @property
     def token_limit(self) -> int | None:
@@ -126,9 +143,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]  # token ids: checked by serving._prompts
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: Int | None = Field(default=None, ge=0, le=5)
     suffix: Any = None
     best_of: Any = None
 

@@ -64,6 +64,17 @@ def to_job(
         raise bad_request(
             f"At most {limits.max_stops} stop sequences are allowed, got {len(req.stops)}.", param="stop"
         )
+    prompts = _prompts(req.prompt) if isinstance(req, CompletionRequest) else None
+    choices = req.n * (len(prompts) if prompts is not None else 1)
+    if choices > limits.max_queued:
+        # each choice is one engine request: more than the queue holds could never be admitted,
+        # so a 503 telling the client to retry would be a lie
+        param = "prompt" if prompts is not None and len(prompts) > 1 else "n"
+        raise bad_request(
+            f"This request needs {choices} generations (prompts x n), more than the server queues at once "
+            f"(limits.max_queued = {limits.max_queued}); split it into smaller requests.",
+            param=param,
+        )
     spec = _spec(req)
     common: dict[str, Any] = dict(
         request_id=request_id,
@@ -90,7 +101,6 @@ def to_job(
         ]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return Job(kind="chat", messages=messages, logprobs=logprobs, **common)
-    prompts = _prompts(req.prompt)
     return Job(kind="completion", prompts=prompts, logprobs=req.logprobs, echo=req.echo, **common)
 
 
@@ -107,14 +117,24 @@ def _spec(req: ChatCompletionRequest | CompletionRequest) -> SpecParams:
     )
 
 
+MAX_TOKEN_ID = 2**31 - 1  # what an int32 index holds; the model's own vocabulary is the backend's check
+
+
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty.", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+    prompts: list[str | list[int]] = (
+        [list(prompt)] if all(isinstance(p, int) for p in prompt) else list(prompt)  # type: ignore[arg-type]
+    )
+    for p in prompts:
+        if not isinstance(p, str) and any(not 0 <= t <= MAX_TOKEN_ID for t in p):
+            bad = next(t for t in p if not 0 <= t <= MAX_TOKEN_ID)
+            raise bad_request(
+                f"Token ids in prompt must be in [0, {MAX_TOKEN_ID}], got {str(bad)[:40]}.", param="prompt"
+            )
+    return prompts
 
 
 async def chat_completions(request: Request) -> Response:

@@ -7,9 +7,12 @@ and read exact values back. Callers record through one method per event: the gat
 ``set_circuit_state``), the router (``observe_route``) and the upstream client
 (``observe_upstream``, ``observe_upstream_retry``, ``observe_fallback``).
 
-Label values stay bounded: every free-form value (model, tier, strategy, upstream, ...) goes through
-a ``_Bounded`` set that admits configured names, then at most ``cap`` others, then maps the rest to
-``"other"``. No prompt, user or key text ever becomes a label.
+Label values stay bounded: every free-form value the server chose (model, tier, strategy, upstream,
+...) goes through a ``_Bounded`` set that admits configured names, then at most ``cap`` others, then
+maps the rest to ``"other"``. A model name as the client sent it is a label only when the server
+knows it (configured, or already served); any other is ``"unknown"``, so clients cannot mint label
+values (a 1 MB model name is one 404, not one 1 MB time series). No prompt, user or key text ever
+becomes a label.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from decoding.params import RequestStats, StepOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OTHER = "other"
+UNKNOWN = "unknown"  # a model the client named that this server does not serve
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -83,12 +87,15 @@ class _Bounded:
     def __call__(self, value: str | None) -> str:
         if not value:
             return "none"
-        if value in self.known or value in self._seen:
+        if self.admitted(value):
             return value
         if len(self._seen) < self.cap:
             self._seen.add(value)
             return value
         return OTHER
+
+    def admitted(self, value: str) -> bool:
+        return value in self.known or value in self._seen
 
 
 class Metrics:
@@ -290,9 +297,13 @@ class Metrics:
         ttft_s: float | None = None,
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
+        requested_model: str | None = None,
     ) -> None:
-        """One finished HTTP request. ``route`` is a path or template (unknown paths become "other")."""
-        route, m = route_label(route), self.model_label(model)
+        """One finished HTTP request. ``route`` is a path or template (unknown paths become "other").
+        ``model``: the model that served it (the server's choice); failing that, ``requested_model``
+        (the client's string) labels it only if the server knows that name."""
+        route = route_label(route)
+        m = self.model_label(model) if model else self.requested_model_label(requested_model)
         self.requests.labels(route, m, str(status)).inc()
         self.request_duration.labels(route, m).observe(seconds)
         if prompt_tokens:
@@ -303,6 +314,15 @@ class Metrics:
             self.ttft.labels(m).observe(ttft_s)
             if completion_tokens > 1:
                 self.tpot.labels(m).observe(max(seconds - ttft_s, 0.0) / (completion_tokens - 1))
+
+    def requested_model_label(self, value: str | None) -> str:
+        if not value:
+            return "none"
+        return value if self.model_label.admitted(value) else UNKNOWN
+
+    def know_models(self, names: Iterable[str]) -> None:
+        """Names clients may send (a loaded engine's models, aliases): labels of their own."""
+        self.model_label.known.update(names)
 
     def observe_abort(self, route: str, phase: str) -> None:
         self.aborted.labels(route_label(route), phase if phase in ABORT_PHASES else OTHER).inc()
@@ -319,6 +339,7 @@ class Metrics:
         """Queue depth and active requests read from the engine at scrape time."""
         self.queue_depth.set_function(lambda: engine.queue_depth)
         self.engine_active.set_function(lambda: engine.active)
+        self.know_models(getattr(engine, "model_names", ()))
         self._engine_bound = True
 
     def observe_step(self, model: str, step: StepOutput) -> None:

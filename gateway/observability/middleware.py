@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.observability import tracing as tr
 from gateway.observability.metrics import route_label
-from gateway.observability.record import RequestRecord, _current
+from gateway.observability.record import MAX_CLIENT_CHARS, RequestRecord, _current
 
 if TYPE_CHECKING:
     from gateway.observability import Observability
@@ -118,7 +118,7 @@ class ObservabilityMiddleware:
         for k, v in headers:
             name, value = k.decode("latin-1").lower(), v.decode("latin-1")
             if name == "x-request-id":
-                rec.request_id = value[:128]
+                rec.request_id = value[:MAX_CLIENT_CHARS]
             elif name == "content-type":
                 rec.stream = value.startswith("text/event-stream")
             elif name == "x-specgate-cache":
@@ -135,12 +135,13 @@ class ObservabilityMiddleware:
             obs.metrics.observe_abort(rec.route, rec.phase)
         obs.metrics.observe_request_done(
             rec.route,
-            rec.model or rec.request_model,
+            rec.model,
             rec.status,
             rec.duration_s,
             ttft_s=rec.ttft_s,
             prompt_tokens=rec.prompt_tokens,
             completion_tokens=rec.completion_tokens,
+            requested_model=rec.request_model,
         )
         self._annotate(rec)
         obs.logger.emit(rec, tr.current_trace_id())

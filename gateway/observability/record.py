@@ -15,6 +15,9 @@ from typing import Any
 
 from decoding.params import RequestStats
 
+# Client-chosen strings kept on the record (and so logged and put on spans) are cut to this length.
+MAX_CLIENT_CHARS = 128
+
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
     "specgate_request", default=None
 )
@@ -115,7 +118,7 @@ def observe_job(job: Any) -> None:
     rec = _current.get()
     if rec is None:
         return
-    rec.request_model = job.model
+    rec.request_model = job.model[:MAX_CLIENT_CHARS]
     rec.operation = _OPERATIONS.get(job.kind, rec.operation)
     rec.temperature, rec.top_p, rec.max_tokens, rec.seed = (
         job.temperature,

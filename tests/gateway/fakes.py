@@ -49,6 +49,14 @@ class ScriptedEngine:
         return sorted(self.engine.models)
 
     @property
+    def queue_depth(self) -> int:  # the engine gauges /metrics reads
+        return 0
+
+    @property
+    def active(self) -> int:
+        return 0
+
+    @property
     def tokenizer(self) -> Any:
         return self.engine.models["fake"].tokenizer
 

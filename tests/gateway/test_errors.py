@@ -136,6 +136,24 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         "speculative.draft_confidence",
     ),
     (
+        "seed beyond 64 bits",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "seed": 18446744073709551617}',
+        400,
+        "seed",
+    ),
+    (
+        "top_k beyond 64 bits",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 1e30}',
+        400,
+        "top_k",
+    ),
+    (
+        "top_k not integral",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 5.5}',
+        400,
+        "top_k",
+    ),
+    (  # OpenAI documents that top_logprobs needs logprobs: true, and refuses it without
         "top_logprobs without logprobs",
         b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
         400,
@@ -150,6 +168,29 @@ def test_bad_chat_requests(
 ) -> None:
     err = assert_error(post(server, "/chat/completions", body, headers), status, param)
     assert err["type"] == "invalid_request_error"
+
+
+def test_integral_floats_are_integers(server: Server, headers: dict[str, str]) -> None:
+    """JSON Schema's `integer` admits 568.0, so schema-driven clients send it."""
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        json=ok_chat(top_k=568.0, max_tokens=2.0, seed=3.0),
+        headers=headers,
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_degenerate_sampling_parameters_still_generate(server: Server, headers: dict[str, str]) -> None:
+    """A temperature or top_p so small that naive arithmetic underflows to NaN is greedy, not a fault."""
+    for over in ({"temperature": 1e-300}, {"top_p": 5e-324}, {"temperature": 1e-45, "top_p": 1e-300}):
+        body = ok_chat(max_tokens=8, **over)
+        r = httpx.post(server.base_url + "/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, (over, r.text)
+        r = httpx.post(
+            server.base_url + "/chat/completions", json={**body, "stream": True}, headers=headers, timeout=60
+        )
+        assert r.status_code == 200 and '"error"' not in r.text and r.text.endswith("data: [DONE]\n\n")
 
 
 def test_unknown_fields_are_ignored(server: Server, headers: dict[str, str]) -> None:
@@ -211,11 +252,30 @@ def test_completion_errors(server: Server, headers: dict[str, str]) -> None:
         400,
         "suffix",
     )
+    for prompt in ([1, 259, 5], [[3], [100000]], [-1], [2**40]):  # the tiny vocabulary has 259 ids
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream}
+            r = httpx.post(server.base_url + "/completions", json=body, headers=headers, timeout=30)
+            assert_error(r, 400, "prompt")  # before the 200, streamed or not
+
+
+def test_more_generations_than_the_queue_holds_is_a_400(server: Server, headers: dict[str, str]) -> None:
+    """prompts x n above limits.max_queued could never be admitted: not a 503 to retry forever."""
+    body = {"model": "tiny", "prompt": ["a"] * 9, "n": 4, "max_tokens": 1}  # 36 > the default 32
+    err = assert_error(
+        httpx.post(server.base_url + "/completions", json=body, headers=headers, timeout=30), 400
+    )
+    assert err["param"] == "prompt" and "max_queued" in err["message"]
+    body["prompt"] = ["a"] * 8  # exactly 32
+    r = httpx.post(server.base_url + "/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 32
 
 
 def test_unknown_route_and_method(server: Server, headers: dict[str, str]) -> None:
     assert_error(httpx.get(server.base_url + "/nothing", headers=headers), 404)
-    assert_error(httpx.get(server.base_url + "/chat/completions", headers=headers), 405)
+    r = httpx.get(server.base_url + "/chat/completions", headers=headers)
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/completions", "/models", "/models/tiny"])

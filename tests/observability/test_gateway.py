@@ -74,7 +74,9 @@ async def test_metrics_match_the_responses(engine: AsyncEngine, provider: Tracer
         scrape = (await c.get("/metrics")).text
     m = obs.metrics
     assert m.value("specgate_requests_total", route="/v1/chat/completions", model=MODEL, status="200") == 4
-    assert m.value("specgate_requests_total", route="/v1/chat/completions", model="nope", status="404") == 1
+    assert (
+        m.value("specgate_requests_total", route="/v1/chat/completions", model="unknown", status="404") == 1
+    )
     spec = [u["speculative"] for u in usages]
     completion = sum(u["completion_tokens"] for u in usages) + 7
     assert m.value("specgate_completion_tokens_total", model=MODEL) == completion

@@ -1,0 +1,85 @@
+"""Faults an outside probe found, in process: colliding client request ids, client strings as metric
+labels, and the OpenAPI document's loose ends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Any
+
+from decoding.async_engine import AsyncEngine
+from decoding.engine import Engine
+from decoding.static import StaticModel
+from gateway.app import create_app
+from tests.gateway.fakes import ScriptedEngine, token_ids
+from tests.gateway.test_app import MSGS, client, settings
+
+
+async def test_requests_sharing_an_x_request_id_do_not_collide(tiny_models: Any) -> None:
+    """The client's id is a label: the engine keys each choice by an id of its own. With static
+    KV caches a collision also leaked the slot of the request it overwrote, for good."""
+    statics = {
+        name: StaticModel(tiny_models[name].model, max_len=256, slots=2, graphs=False)
+        for name in ("tiny", "tiny-draft")
+    }
+    models = {
+        name: replace(tiny_models[name], runner_factory=s.runner, draft_runner_factory=s.draft_runner)
+        for name, s in statics.items()
+    }
+    engine = AsyncEngine(Engine(models), max_active=2, max_queued=16)
+    try:
+        app = create_app(settings(), engine=engine)
+        async with client(app) as c:
+            body = {"model": "tiny", "messages": MSGS, "max_tokens": 12, "temperature": 0}
+            same = {"x-request-id": "shared-id"}
+            calls = [c.post("/v1/chat/completions", json=body, headers=same) for _ in range(5)]
+            calls.append(c.post("/v1/chat/completions", json={**body, "n": 2}, headers=same))
+            # a bound, not a timing: before the fix colliding requests never finished at all
+            replies = await asyncio.wait_for(asyncio.gather(*calls), 120)
+        for r in replies:
+            assert r.status_code == 200, r.text
+            assert r.headers["x-request-id"] == "shared-id"  # still the client's label
+            assert all(ch["finish_reason"] in ("stop", "length") for ch in r.json()["choices"])
+        texts = {ch["message"]["content"] for r in replies for ch in r.json()["choices"]}
+        assert len(texts) == 1  # greedy, one prompt: every one of the 7 generations is the same
+        for _ in range(200):  # the worker releases a finished request's slots right after its last step
+            if engine.active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert {name: len(s._free) for name, s in statics.items()} == {"tiny": 2, "tiny-draft": 2}
+    finally:
+        engine.shutdown()
+
+
+async def test_unknown_model_names_are_one_metric_label_and_logged_bounded(caplog: Any) -> None:
+    caplog.set_level(logging.INFO, logger="specgate.request")
+    app = create_app(settings(), engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+    async with client(app) as c:
+        for i in range(3):
+            name = f"{i}" + "m" * 100_000
+            r = await c.post("/v1/chat/completions", json={"model": name, "messages": MSGS})
+            assert r.status_code == 404
+        assert (
+            await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS})
+        ).status_code == 200
+        scrape = (await c.get("/metrics")).text
+    m = app.state.metrics
+    assert (
+        m.value("specgate_requests_total", route="/v1/chat/completions", model="unknown", status="404") == 3
+    )
+    assert m.value("specgate_requests_total", route="/v1/chat/completions", model="fake", status="200") == 1
+    assert "mmmm" not in scrape and len(scrape) < 200_000
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "specgate.request"]
+    assert lines and max(len(line) for line in lines) < 2_000
+
+
+async def test_openapi_declares_path_parameters_and_405_carries_allow() -> None:
+    app = create_app(settings(), engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+    async with client(app) as c:
+        doc = (await c.get("/openapi.json")).json()
+        r = await c.delete("/v1/models")
+    params = doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    assert params == [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
