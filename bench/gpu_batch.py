@@ -57,11 +57,9 @@ class ReplayDrafter(DraftModelDrafter):
         self.reference = reference  # [NEW + 16] corrupted continuation, on the device
         self.prompt_len = prompt_len
 
-    def _pick(self, row: torch.Tensor, state: _Drafting, last: bool) -> bool:
-        ok = super()._pick(row, state, last)  # the draft's own work, then its token is replaced
+    def _picked(self, state: _Drafting) -> None:  # the draft's own work is done; its token is replaced
         i = len(state.tokens) - self.prompt_len + len(state.drafted) - 1
         state.drafted[-1] = self.reference[i : i + 1]
-        return ok
 
 
 class ReplayEngine(Engine):

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from decoding.params import SamplingParams
 from decoding.runner import SequenceRunner, forward_many
@@ -97,8 +98,12 @@ class DraftModelDrafter:
         state.drafted.append(tok)
         if params.penalised:
             state.counts[tok] += 1
+        self._picked(state)
         # the unsure token is still proposed: verifying it costs a row, not a step
         return confidence is None or float(confidence) >= self.min_confidence
+
+    def _picked(self, state: _Drafting) -> None:
+        """A hook after each drafted token (benchmarks replace it)."""
 
     def rollback(self, valid: int) -> None:
         self.runner.crop(min(self.runner.length, valid))
@@ -179,6 +184,23 @@ class _Drafting:
 ProposeItem = tuple[Drafter | None, list[int], int, SamplingParams, torch.Tensor, torch.Generator | None]
 
 
+def _draft_pass(runners: list[SequenceRunner], feed: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's next-token logits after feeding it its tokens: [B, V]. One decode-only step where
+    the runners share a batched model (rows padded to one width: the padding lands past each row's
+    length, where nothing reads it), else forward_many."""
+    model = getattr(runners[0], "batch_model", None)
+    widths = [int(f.shape[0]) for f in feed]
+    same = all(getattr(r, "batch_model", None) is model and not getattr(r, "exact", False) for r in runners)
+    if model is not None and same and max(widths) <= model.max_graph_tokens:
+        starts = [r.advance(w) for r, w in zip(runners, widths, strict=True)]  # type: ignore[attr-defined]
+        ids = pad_sequence(feed, batch_first=True)  # [B, W]
+        logits = model.forward_batch([r.slot for r in runners], starts, ids)  # type: ignore[attr-defined]
+        last = torch.tensor(widths, device=ids.device) - 1
+        return logits[torch.arange(len(runners), device=ids.device), last]
+    out = forward_many(runners, feed, ["last"] * len(runners))
+    return torch.cat([o for o in out if o is not None])
+
+
 def catch_up_many(items: list[ProposeItem]) -> None:
     """Draft models absorb their backlogs (a prompt, tokens from plain steps) in one forward pass
     before the rows that will draft do so."""
@@ -217,13 +239,23 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
     ]
     step = 0
     while live:
-        logits = forward_many([d.drafter.runner for _, d in live], feed, ["last"] * len(live))
+        rows = _draft_pass([d.drafter.runner for _, d in live], feed)  # [B, V]
         still: list[tuple[int, _Drafting]] = []
         feed = []
-        for (i, d), row in zip(live, logits, strict=True):
-            assert row is not None
+        # greedy rows with no penalty or confidence stop: one argmax for the batch
+        plain = all(
+            d.params.greedy and not d.params.penalised and d.drafter.min_confidence == 0 for _, d in live
+        )
+        toks = rows.argmax(-1) if plain else None  # [B]
+        for b, (i, d) in enumerate(live):
             last = step == d.k - 1
-            if d.drafter._pick(row, d, last) and not last:
+            if toks is not None:
+                d.drafted.append(toks[b : b + 1])
+                d.drafter._picked(d)
+                go = True
+            else:
+                go = d.drafter._pick(rows[b : b + 1], d, last)
+            if go and not last:
                 still.append((i, d))
                 feed.append(d.drafted[-1])  # stays on the device (no sync unless min_confidence)
             else:

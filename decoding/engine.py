@@ -90,6 +90,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     prefilled: bool = False
+    prefill_cost: float = 0.0  # seconds of prefill steps, in proportion to this sequence's tokens in each
     finished: FinishReason | None = None
 
     @property
@@ -259,10 +260,13 @@ class Engine:
             kk = batch.n_drafts[b]
             outs[id(s)] = self._commit(s, kk, n, cand, logits[b, : kk + 1], t_draft, t_target)
         elapsed = time.perf_counter() - t0
-        for s, _ in chunks:
+        step_tokens = sum(n for _, n in chunks)
+        for s, n in chunks:
             s.stats.prefill_s += elapsed
+            # the controller's per-token slope: this sequence's share of a step that others share
+            s.prefill_cost += elapsed * n / step_tokens if step_tokens else 0.0
             if s.runner.length == len(s.tokens) - 1:
-                s.controller.observe_prefill(len(s.tokens) - 1, s.stats.prefill_s)
+                s.controller.observe_prefill(len(s.tokens) - 1, s.prefill_cost)
                 s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
             outs[id(s)] = None
         return [outs.get(id(s)) for s in seqs]
