@@ -32,7 +32,7 @@ from gateway import protocol, serving
 from gateway.cache.breaker import CircuitBreaker
 from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, error_response, to_api_error, unavailable
-from gateway.limits import RateLimiter, RedisBuckets
+from gateway.limits import RateLimiter, RedisBuckets, body_deadline
 from gateway.local import LocalBackend
 from gateway.observability import Observability
 from gateway.observability.metrics import Metrics
@@ -89,6 +89,13 @@ class GatewayMiddleware:
                 )
             if inference:
                 self.state.inflight += 1
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = body_deadline(
+                    receive,
+                    self.state.settings.server.body_timeout_s,
+                    self.state.drain_started,
+                    self.state.settings.limits.retry_after_s,
+                )
             try:
                 await self.app(scope, receive, send_with_id)
             finally:

@@ -1,4 +1,4 @@
-"""Request limits: body size (also for chunked uploads) and per-key rate limits.
+"""Request limits: body size (also for chunked uploads), body read time, and per-key rate limits.
 
 Rate limits are token buckets per tenant, refilled continuously. Requests are charged on arrival;
 tokens (prompt + completion) once a response is done, because the completion length is unknown
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 from starlette.requests import Request
+from starlette.types import Message, Receive
 
 from gateway.cache.breaker import CircuitBreaker
 from gateway.cache.redis_backend import fail_fast_client
@@ -47,6 +48,52 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def body_deadline(receive: Receive, timeout_s: float, stop: asyncio.Event, retry_after: int) -> Receive:
+    """``receive`` for one request, bounded while its body arrives: a body not complete within
+    ``timeout_s`` of the headers is a 408, and a body still arriving when ``stop`` is set (the
+    drain began) is a 503 at once, so an idle upload neither holds a connection nor the drain.
+    Once the body is in, messages (the disconnect listeners') pass through untouched."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    body_done = False
+
+    async def bounded() -> Message:
+        nonlocal body_done
+        if body_done:
+            return await receive()
+        message = asyncio.ensure_future(receive())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {message, stopped}, timeout=max(0.0, deadline - loop.time()), return_when="FIRST_COMPLETED"
+            )
+        finally:
+            stopped.cancel()
+            if not message.done():
+                message.cancel()
+        if message in done:
+            got = message.result()
+            body_done = got["type"] != "http.request" or not got.get("more_body", False)
+            return got
+        close = {"Connection": "close"}  # the rest of the body is never read
+        if stop.is_set():
+            raise APIError(
+                503,
+                "The server is shutting down; retry on another replica.",
+                "server_error",
+                code="unavailable",
+                headers=close | {"Retry-After": str(retry_after)},
+            )
+        raise APIError(
+            408,
+            f"The request body did not arrive within {timeout_s:g}s (server.body_timeout_s).",
+            code="request_timeout",
+            headers=close,
+        )
+
+    return bounded
 
 
 @dataclass

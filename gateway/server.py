@@ -6,12 +6,19 @@ SIGTERM, or SIGINT, exits the usual uvicorn way.
 
 sse-starlette patches uvicorn so that a shutdown signal ends every open stream immediately; that
 would cut in-flight streams short, so its automatic drain is disabled here and its exit flag is set
-only when our drain is over (see sse_starlette.sse.AppStatus).
+only when our drain is over (see sse_starlette.sse.AppStatus). At the drain timeout, what still runs
+is told first: a stream gets one OpenAI error event and ``[DONE]``, a plain request a 503.
+
+Uploads are bounded in time: the request head by ``server.header_timeout_s`` (``TimedH11Protocol``,
+below uvicorn's ASGI layer, since a head never completed never reaches the app) and the body by
+``server.body_timeout_s`` (``gateway.limits.body_deadline``); a body still arriving when the drain
+begins is a 503 at once rather than a request the drain must wait for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -19,14 +26,81 @@ import time
 from types import FrameType
 from typing import Any
 
+import h11
 import uvicorn
 from sse_starlette.sse import AppStatus
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.app import create_app
 from gateway.serving import GatewayState
 from gateway.settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("specgate.server")
+
+CUT_GRACE_S = 2.0  # after the drain timeout: time for cut-off requests to send their error
+
+
+_HEAD_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's line and headers, from the
+    connection's start or from the first byte of a later request on a kept-alive connection
+    (uvicorn's keep-alive timeout covers the idle time between requests, not a head sent a byte a
+    second). ``header_timeout_s`` is set on a subclass (``timed_h11``)."""
+
+    header_timeout_s = 10.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is in: the body has its own deadline
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        message = (
+            f"The request headers did not arrive within {self.header_timeout_s:g}s (server.header_timeout_s)."
+        )
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_timeout",
+                }
+            }
+        ).encode()
+        self.transport.write(_HEAD_TIMEOUT % (len(body), body))
+        self.transport.close()
+
+
+def timed_h11(header_timeout_s: float) -> type[TimedH11Protocol]:
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s})
 
 
 class DrainingServer(uvicorn.Server):
@@ -57,12 +131,17 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))  # type: ignore[union-attr]
 
     async def _drain(self) -> None:
+        self.gateway.drain_started.set()  # uploads still arriving are refused now
         deadline = time.monotonic() + self.drain_timeout_s
         while self.gateway.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.gateway.inflight:
             log.warning("drain timeout: %d request(s) still running are cut off", self.gateway.inflight)
-        AppStatus.should_exit = True  # ends any stream still open
+            self.gateway.cut.set()  # each gets its error (an SSE event, or a 503) ...
+            grace = time.monotonic() + CUT_GRACE_S
+            while self.gateway.inflight > 0 and time.monotonic() < grace:
+                await asyncio.sleep(0.05)
+        AppStatus.should_exit = True  # ... before any stream still open is ended
         self.should_exit = True
 
     def fail(self) -> None:
@@ -121,6 +200,7 @@ def serve(config: str | None = None, host: str | None = None, port: int | None =
         log_level="info",
         timeout_graceful_shutdown=5,
         access_log=False,
+        http=timed_h11(settings.server.header_timeout_s),
     )
     server = DrainingServer(uv, app.state.gateway, settings.limits.drain_timeout_s)
     app.state.on_load_failure = server.fail

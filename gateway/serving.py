@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
@@ -21,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from decoding.params import SpecMode, SpecParams
-from gateway.backends import Backend, Generation, Job, ResponseCache, Route, Router
-from gateway.errors import bad_request, error_event, error_response, to_api_error, unavailable
+from gateway.backends import Backend, Delta, Generation, Job, ResponseCache, Route, Router
+from gateway.errors import APIError, bad_request, error_event, error_response, to_api_error, unavailable
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.limits import RateLimiter, read_body
 from gateway.observability import note_usage, observe_job
@@ -43,6 +44,8 @@ class GatewayState:
     metrics: Any = None
     draining: bool = False
     inflight: int = 0  # inference requests being served (the SIGTERM drain waits for 0)
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)  # body reads stop waiting
+    cut: asyncio.Event = field(default_factory=asyncio.Event)  # drain timeout: end what still runs
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -191,13 +194,13 @@ async def _serve(
 
     if req.stream:
         return EventSourceResponse(
-            _events(gen, fmt, req.include_usage, charge, finished),
+            _events(gen, fmt, req.include_usage, charge, finished, state.cut, retry),
             sep="\n",
             ping=settings.server.sse_ping_s,
             headers=headers | {"Cache-Control": "no-cache"},
         )
     try:
-        whole = await _unless_disconnected(request, _collect(gen, fmt))
+        whole = await _unless_disconnected(request, _collect(gen, fmt), state.cut, retry)
     except Exception as exc:
         return error_response(to_api_error(exc, prompt_param, retry))
     finally:
@@ -228,23 +231,64 @@ async def _collect(gen: Generation, fmt: ChatFormat | CompletionFormat) -> dict[
     return fmt.whole(gen)
 
 
+def _cut_off(retry_after: int) -> APIError:
+    """What a request still running at the drain timeout is told (then the server exits)."""
+    return unavailable(
+        "The server is shutting down and could not finish this request; retry on another replica.",
+        retry_after,
+    )
+
+
 async def _unless_disconnected(
-    request: Request, work: Coroutine[Any, Any, dict[str, Any]]
+    request: Request, work: Coroutine[Any, Any, dict[str, Any]], cut: asyncio.Event, retry_after: int
 ) -> dict[str, Any] | None:
     """Run ``work`` unless the client disconnects first; then cancel it (which aborts generation).
+    At the drain timeout (``cut``) the work is cancelled too, and the client gets a 503.
 
     Starlette cancels only streaming responses on disconnect; a plain handler must listen itself.
     """
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(request))
+    stop = asyncio.ensure_future(cut.wait())
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        stop.cancel()
         if not task.done():
             task.cancel()
             await asyncio.wait({task})
-    return None if task.cancelled() else task.result()
+    if task.cancelled():
+        if cut.is_set():
+            raise _cut_off(retry_after)
+        return None
+    return task.result()
+
+
+async def _until_cut(gen: Generation, cut: asyncio.Event, retry_after: int) -> AsyncIterator[Delta]:
+    """``gen``'s deltas, unless the drain timeout comes first: then the pending wait is cancelled
+    (which closes the generation) and the cut-off error raised, for ``_events`` to send."""
+    deltas = aiter(gen)
+    stop = asyncio.ensure_future(cut.wait())
+    step: asyncio.Future[Delta] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(deltas))
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise _cut_off(retry_after)
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stop.cancel()
+        if step is not None and not step.done():  # cut off, or we were cancelled (disconnect)
+            step.cancel()
+            # shielded: sse-starlette's anyio scope cancels again at every await once cancelled,
+            # and the generation must be out of its step before anyone closes it
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({step})
 
 
 async def _disconnect(request: Request) -> None:
@@ -260,11 +304,14 @@ async def _events(
     include_usage: bool,
     done: Callable[[], None],
     finished: Callable[[], None] = lambda: None,
+    cut: asyncio.Event | None = None,
+    retry_after: int = 1,
 ) -> AsyncIterator[str]:
+    deltas = gen if cut is None else _until_cut(gen, cut, retry_after)
     try:
         for data in fmt.opening(gen):
             yield data
-        async for delta in gen:
+        async for delta in deltas:
             for data in fmt.chunks(delta):
                 yield data
         finished()  # not reached on a fault or a disconnect (the task is cancelled at a yield)
@@ -273,6 +320,8 @@ async def _events(
     except Exception as exc:  # after the 200: one error event, then [DONE]
         yield json.dumps(error_event(exc))
     finally:
+        if isinstance(deltas, AsyncGenerator):
+            await deltas.aclose()
         await gen.aclose()
         done()
     yield "[DONE]"

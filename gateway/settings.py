@@ -40,6 +40,11 @@ class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     sse_ping_s: float = Field(default=10.0, ge=0)  # keep-alive comment interval (long prefills, proxies)
+    # A client that sends its request line and headers slower than this is answered 408 and dropped
+    # (uvicorn's own keep-alive timeout covers only idle connections between requests).
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # ...and one whose body has not fully arrived this long after its headers: 408, connection closed
+    body_timeout_s: float = Field(default=30.0, gt=0)
 
 
 class ModelSettings(_Section):

@@ -83,3 +83,31 @@ def test_sigterm_drains(tmp_path: Path) -> None:
     finally:
         stop_server(server)
         upstream.kill()
+
+
+def test_streams_cut_at_the_drain_timeout_end_with_an_error_event(tmp_path: Path) -> None:
+    """A stream still running when the drain times out gets one OpenAI error event and [DONE],
+    not a connection that just stops."""
+    upstream = FakeUpstream(free_port()).start()
+    server = start_server(tmp_path, {
+        "limits": {"drain_timeout_s": 0.5},
+        "upstreams": [{"name": "held", "base_url": upstream.base_url, "model": "remote-model", "retries": 0}],
+    })  # fmt: skip
+    try:
+        upstream.script([{"kind": "ok", "hold": True}])  # never released
+        raw: list[str] = []
+        started = threading.Event()
+        body = {"model": "held", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        held = _stream_into(server.base_url + "/chat/completions", body, raw, started)
+        assert started.wait(30)
+        server.proc.send_signal(signal.SIGTERM)
+        held.join(60)
+        data = [line[6:] for line in raw if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        err = json.loads(data[-2])["error"]
+        assert err["type"] == "server_error" and err["code"] == "unavailable"
+        assert set(err) == {"message", "type", "param", "code"}
+        assert server.proc.wait(30) == 0
+    finally:
+        stop_server(server)
+        upstream.kill()

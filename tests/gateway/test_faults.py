@@ -4,16 +4,19 @@ labels, and the OpenAPI document's loose ends."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import replace
 from typing import Any
+
+import pytest
 
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
 from decoding.static import StaticModel
 from gateway.app import create_app
 from tests.gateway.fakes import ScriptedEngine, token_ids
-from tests.gateway.test_app import MSGS, client, settings
+from tests.gateway.test_app import MSGS, client, settings, sse_data
 
 
 async def test_requests_sharing_an_x_request_id_do_not_collide(tiny_models: Any) -> None:
@@ -83,3 +86,26 @@ async def test_openapi_declares_path_parameters_and_405_carries_allow() -> None:
     assert params == [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_requests_running_at_the_drain_timeout_are_told(stream: bool) -> None:
+    """At the drain timeout (``state.cut``) a plain request gets a 503 and a stream one error event
+    and [DONE], each in OpenAI's shape, instead of a connection that just ends."""
+    engine = ScriptedEngine([token_ids("a")] * 10_000, delay=0.01)
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    body = {"model": "fake", "messages": MSGS, "stream": stream}
+    async with client(app) as c:
+        reply = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+        while engine.engine.total_steps < 3:
+            await asyncio.sleep(0.01)
+        app.state.gateway.cut.set()
+        r = await asyncio.wait_for(reply, 60)
+    if stream:
+        events = sse_data(r.text)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+    else:
+        assert r.status_code == 503 and r.headers["retry-after"]
+        err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "unavailable"
