@@ -60,7 +60,9 @@ class TierSettings(BaseModel):
     threshold: float = Field(default=0.0, ge=0.0, le=1.0)
     model: str | None = None  # a key of `router.models`
     upstream: str | None = None  # a name in `router.upstreams`
-    speculation: bool = True  # False: this tier always decodes without speculation
+    # False: no draft-model speculation on this tier; input-grounded requests still use prompt
+    # lookup, which needs no draft model (router.policy, rule 2)
+    speculation: bool = True
     # Tiers to try, in order, when this one fails before the first byte. None: the next tier up, then
     # the ones below from nearest; [] turns fallback off.
     fallback: list[str] | None = None

@@ -3,12 +3,15 @@
 The router decides, it never generates: the gateway takes a `RouteDecision` and runs it on the local
 engine or an upstream. Strategy rules, first match wins:
 
-  1. the tier has speculation off, or temperature > `strategy.high_temperature`  -> off
+  1. temperature > `strategy.high_temperature`                                    -> off
      (at high temperature acceptance collapses; verifying then costs more than it saves)
   2. the request is input-grounded (edit this code, extract from this text, or a long prompt with a
      short answer)                                                                -> ngram (prompt lookup)
-  3. the model has a draft                                                        -> draft
-  4. otherwise                                                                    -> off
+     on every tier, `speculation: false` ones included: prompt lookup needs no draft model and
+     costs one verification per step, and grounded rewrites are where it pays most
+  3. the tier has speculation off                                                 -> off
+  4. the model has a draft                                                        -> draft
+  5. otherwise                                                                    -> off
 then a per-request `speculative` override replaces the mode if config allows it, and max_k is capped.
 """
 
@@ -199,15 +202,15 @@ class Router:
         local = self.models.get(model)
         has_draft = local is not None and local.draft is not None
         why: list[str] = []
-        if not speculation:
-            chosen, why = SpecMode.OFF, ["tier-no-spec"]
-        elif temp > limits.high_temperature:
+        if temp > limits.high_temperature:
             chosen, why = SpecMode.OFF, [f"temperature>{limits.high_temperature:g}"]
         elif f.grounded or (
             f.max_tokens is not None and f.prompt_chars >= limits.grounded_ratio * f.max_tokens * 4
         ):
             # ~4 chars per token: a prompt many times the answer's length is mostly being quoted from.
             chosen, why = SpecMode.NGRAM, ["grounded"]
+        elif not speculation:
+            chosen, why = SpecMode.OFF, ["tier-no-spec"]
         elif has_draft:
             chosen, why = SpecMode.DRAFT, ["open"]
         else:

@@ -206,3 +206,32 @@ def test_routing_is_well_under_a_millisecond() -> None:
         times.append(time.perf_counter() - t0)
     # ~0.1 ms on an idle core; the bound leaves room for a loaded CI box
     assert statistics.median(times) < 1e-3, f"median {statistics.median(times) * 1e6:.0f} µs"
+
+
+def _forty_lines() -> str:
+    body = "\n".join(f"    tmp = tmp + values[{i}] * {i + 1}" for i in range(38))
+    return f"def weighted(values):\n    tmp = 0\n{body}\n    return tmp"
+
+
+@pytest.mark.parametrize(
+    ("ask", "tier"),
+    [
+        ("rename this variable and return the code", "small"),
+        ("Fix the indentation of the following code.", "small"),
+        ("Rename the variable tmp to total in this function and return the code.", "large"),
+    ],
+)
+def test_grounded_rewrites_use_prompt_lookup_on_any_tier(ask: str, tier: str) -> None:
+    """Prompt lookup needs no draft model, so a `speculation: false` tier uses it too when the answer
+    copies the input (4-5x measured on the real pair for such rewrites)."""
+    prompt = f"{ask}\n\n{_forty_lines()}"
+    d = Router(RouterSettings()).route("auto", [{"role": "user", "content": prompt}], None, None, 0.0)
+    assert (d.tier, d.strategy) == (tier, SpecMode.NGRAM), d.reasons
+    assert "grounded" in d.reasons
+    # not grounded: the small tier still decodes plainly
+    d = Router(RouterSettings()).route("auto", [{"role": "user", "content": "hi"}], None, None, 0.0)
+    assert (d.tier, d.strategy) == ("small", SpecMode.OFF)
+    # a tier that allows no prompt lookup steps down to off, as before
+    rs = RouterSettings(strategy={"allowed_modes": ["off", "draft"]})
+    d = Router(rs).route("auto", [{"role": "user", "content": prompt}], None, None, 0.0)
+    assert d.strategy == SpecMode.OFF
