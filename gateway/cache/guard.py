@@ -11,7 +11,13 @@ this bug). Paraphrases reword the ordinary words; near misses change one of thes
 - polarity words (largest/smallest, ascending/descending, before/after, ...), compared as a set;
 - named things: capitalised words outside the sentence-initial position (or sentence-initial words
   that are not common English), ALLCAPS, code identifiers (snake_case, camelCase, dotted.names),
-  quoted or back-ticked strings, and operator symbols.
+  quoted or back-ticked strings, and operator symbols;
+- argument order: "Is Python faster than Java?" and "Is Java faster than Python?" share every word
+  (similarity 0.99) and have opposite answers. The arguments of a text (its names, its numbers and
+  the words either side of a relation word: than, to, into, from, vs, ...) are kept in order of
+  appearance, and the arguments two texts share must come in the same order. A paraphrase that adds
+  or drops an argument still matches; one that swaps two is refused (symmetric relations, "Python
+  and Java", are refused too: a miss costs a generation, a wrong hit a wrong answer).
 
 The features are small, so entries store them instead of the prompt text.
 """
@@ -39,6 +45,15 @@ _POLARITY = _words(
     "enable disable open close start stop upper lower left right north south east west old new older newer "
     "oldest newest early late earlier later fast slow faster slower hot cold warm cool positive negative "
     "odd even prefix suffix import export input output push pop buy sell win lose"
+)
+# Words that relate the argument before them to the one after: their order is the question.
+_RELATIONS = _words("than to into onto from vs versus over against toward towards via instead rather")
+# Skipped when looking for a relation's arguments (articles, auxiliaries, pronouns, question words;
+# not _COMMON, whose verbs "list", "sort" and "set" are also the nouns code questions compare).
+_FILLER = _words(
+    "a an the is are was were be been being do does did can could should would will shall may might must "
+    "i you we they it its this that these those there here of in on at for by with about as if and or but "
+    "so much far also just very really any some what which who how when where why whats my your our"
 )
 _NUMBER_WORDS = {
     "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
@@ -73,14 +88,18 @@ class Features:
     numbers: tuple[str, ...]  # sorted multiset
     polarity: tuple[str, ...]  # sorted set
     names: tuple[str, ...]  # sorted set, lowercased
+    # arguments in order of first appearance; None: an entry stored before order was kept
+    order: tuple[str, ...] | None = ()
 
     def to_json(self) -> list[object]:
-        return [self.negations, list(self.numbers), list(self.polarity), list(self.names)]
+        out: list[object] = [self.negations, list(self.numbers), list(self.polarity), list(self.names)]
+        return [*out, list(self.order)] if self.order is not None else out
 
     @classmethod
     def from_json(cls, raw: list[object]) -> Features:
-        neg, nums, pol, names = raw
-        return cls(int(neg), tuple(nums), tuple(pol), tuple(names))  # type: ignore[arg-type, call-overload]
+        neg, nums, pol, names = raw[:4]
+        order: tuple[str, ...] | None = tuple(raw[4]) if len(raw) > 4 else None  # type: ignore[arg-type]
+        return cls(int(neg), tuple(nums), tuple(pol), tuple(names), order)  # type: ignore[arg-type, call-overload]
 
 
 def features(text: str) -> Features:
@@ -89,6 +108,9 @@ def features(text: str) -> Features:
     polarity: set[str] = set()
     names: set[str] = set()
     sentence_start = True
+    order: list[str] = []  # arguments, in order
+    words: list[str] = []  # words, numbers and quoted strings, lowercased: the relations' neighbours
+    relations: list[int] = []  # indexes into words
     for m in _WORD.finditer(text):
         tok = m.group()
         preceding = text[max(0, m.start() - 3) : m.start()]
@@ -96,8 +118,12 @@ def features(text: str) -> Features:
             sentence_start = True
         if tok[0] in '`"':
             names.add(tok.lower())
+            order.append(tok.lower())
+            words.append(tok.lower())
         elif tok[0].isdigit():
             numbers.append(tok.replace(",", ""))
+            order.append(numbers[-1])
+            words.append(numbers[-1])
         elif _OPERATORS.match(tok):
             if tok not in ("-",):  # a hyphen between words is not an operator
                 names.add(tok)
@@ -108,14 +134,49 @@ def features(text: str) -> Features:
                 negations += 1
             elif bare in _NUMBER_WORDS:
                 numbers.append(_NUMBER_WORDS[bare])
+                order.append(numbers[-1])
             elif bare in _ORDINALS and bare not in _POLARITY:
                 numbers.append(_ORDINALS[bare])
             if bare in _POLARITY:
                 polarity.add(bare)
             if _is_name(tok, sentence_start, bare):
                 names.add(bare)
+                order.append(bare)
+            if bare in _RELATIONS:
+                relations.append(len(words))
+            words.append(bare)
         sentence_start = False
-    return Features(negations, tuple(sorted(numbers)), tuple(sorted(polarity)), tuple(sorted(names)))
+    for i in relations:  # the nearest argument-like word either side of each relation word
+        for side in (range(i - 1, -1, -1), range(i + 1, len(words))):
+            arg = next((words[j] for j in side if _argument(words[j])), None)
+            if arg is not None:
+                order.append(arg)
+    return Features(
+        negations,
+        tuple(sorted(numbers)),
+        tuple(sorted(polarity)),
+        tuple(sorted(names)),
+        _in_order(order, text),
+    )
+
+
+def _argument(word: str) -> bool:
+    return not (word in _FILLER or word in _RELATIONS or word in _POLARITY or word in _NEGATIONS) and not (
+        len(word) > 3 and word.endswith("er")
+    )  # comparatives: quicker, cheaper, safer
+
+
+def _in_order(args: list[str], text: str) -> tuple[str, ...]:
+    """The arguments by where each first appears in the text (relation neighbours were found after
+    the names), each once."""
+    low = text.lower()
+    firsts = {a: _first(low, a) for a in dict.fromkeys(args)}
+    return tuple(sorted(firsts, key=lambda a: firsts[a]))
+
+
+def _first(low: str, arg: str) -> int:
+    m = re.search(r"(?<![\w.])" + re.escape(arg) + r"(?![\w])", low)
+    return m.start() if m else low.find(arg)
 
 
 def _is_name(tok: str, sentence_start: bool, bare: str) -> bool:
@@ -130,4 +191,9 @@ def _is_name(tok: str, sentence_start: bool, bare: str) -> bool:
 
 def compatible(a: Features, b: Features) -> bool:
     """True when nothing answer-changing differs between the two texts."""
-    return a == b
+    if (a.negations, a.numbers, a.polarity, a.names) != (b.negations, b.numbers, b.polarity, b.names):
+        return False
+    if a.order is None or b.order is None:  # an old entry: no order to compare, so no match on one
+        return len(a.order or b.order or ()) < 2
+    shared = set(a.order) & set(b.order)
+    return [x for x in a.order if x in shared] == [x for x in b.order if x in shared]

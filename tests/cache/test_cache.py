@@ -130,6 +130,8 @@ async def test_lossless_and_transport_fields_share_entries(make_cache: MakeCache
         ("List five sorting algorithms.", "List seven sorting algorithms."),
         ("What is the capital of Austria?", "What is the capital of Australia?"),
         ("Sort the list in ascending order.", "Sort the list in descending order."),
+        ("Is Python faster than Java?", "Is Java faster than Python?"),  # similarity 0.993
+        ("Convert Celsius to Fahrenheit.", "Convert Fahrenheit to Celsius."),
     ],
 )
 async def test_guard_refuses_near_misses(make_cache: MakeCache, stored: str, asked: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.cache.guard import compatible, features
+import pytest
+
+from gateway.cache.guard import Features, compatible, features
 from gateway.cache.query import build_query, parse_controls
 
 
@@ -87,3 +89,45 @@ def test_guard_features() -> None:
     assert not compatible(features("What is X?"), features("What is not X?"))
     assert not compatible(features("x < y"), features("x <= y"))
     assert not compatible(features("Call getUser."), features("Call getUsers."))
+
+
+SWAPPED = [
+    ("Is Python faster than Java?", "Is Java faster than Python?"),
+    ("is a list faster than a tuple?", "is a tuple faster than a list?"),
+    ("Is a mutex slower than a spinlock?", "Is a spinlock slower than a mutex?"),
+    ("Is 5 greater than 3?", "Is 3 greater than 5?"),
+    ("Subtract 3 from 10.", "Subtract 10 from 3."),
+    ("convert celsius to fahrenheit", "convert fahrenheit to celsius"),
+    ("Translate this from English into French.", "Translate this from French into English."),
+    ("Should I migrate from MySQL to Postgres?", "Should I migrate from Postgres to MySQL?"),
+    ("Does Rust beat Go in performance?", "Does Go beat Rust in performance?"),
+    ("How do I convert a list to a set in Python?", "How do I convert a set to a list in Python?"),
+]
+REWORDED = [
+    ("Is Python faster than Java?", "Is Python much faster than Java?"),
+    ("Is Java faster than Python?", "Would Java be faster than Python?"),
+    ("How do I convert celsius to fahrenheit?", "What is the way to convert celsius into fahrenheit?"),
+    ("How do I convert a list to a set in Python?", "How can I turn a list into a set in Python?"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SWAPPED)
+def test_guard_refuses_swapped_arguments(a: str, b: str) -> None:
+    assert not compatible(features(a), features(b))
+    assert compatible(features(a), features(a))
+
+
+@pytest.mark.parametrize(("a", "b"), REWORDED)
+def test_guard_keeps_paraphrases_that_keep_the_order(a: str, b: str) -> None:
+    assert compatible(features(a), features(b))
+
+
+def test_guard_features_round_trip_and_old_entries() -> None:
+    f = features("Is Python faster than Java?")
+    assert f.order == ("python", "java")
+    assert Features.from_json(f.to_json()) == f
+    old = Features.from_json(f.to_json()[:4])  # stored before argument order was kept
+    assert old.order is None
+    assert not compatible(old, f)  # two arguments it cannot check: no match
+    one = features("What is Python?")
+    assert compatible(Features.from_json(one.to_json()[:4]), one)
