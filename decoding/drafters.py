@@ -8,6 +8,7 @@ bonus token, tokens from plain steps) and is cut back to what verification kept.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +25,13 @@ from decoding.sampling import apply_penalties, probs_from_logits, sample
 class Proposal:
     tokens: torch.Tensor  # [k'] with k' <= k; may be empty
     probs: torch.Tensor | None  # [k', V] draft distribution p; None for a deterministic drafter
+
+
+# Shapes a draft model's logits row [1, V] given the tokens drafted so far in this proposal:
+# logit_bias and the grammar's mask (decoding.constraints.Shaping.draft), so that p is the
+# distribution the draft was really drawn from. Deterministic drafters need none: their proposals
+# are cut by the grammar afterwards.
+DraftShape = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 
 class Drafter(Protocol):
@@ -65,6 +73,7 @@ class DraftModelDrafter:
         # accepted, and their draft steps are wasted. Reading the probability is a host sync per
         # drafted token, which a CPU does anyway and a GPU pays as a launch gap (see Engine).
         self.min_confidence = min_confidence
+        self.shape: DraftShape | None = None  # the request's logit_bias / grammar, set by the engine
 
     def catch_up(self, tokens: list[int]) -> None:
         if len(tokens) - self.runner.length > self.INLINE:
@@ -86,6 +95,8 @@ class DraftModelDrafter:
         """Choose the next draft token from ``row`` [1, V]; False when drafting should stop after it."""
         params = state.params
         row = apply_penalties(row, state.counts, row.new_zeros(0, dtype=torch.long), params)
+        if self.shape is not None:  # a host read of the drafted ids: the grammar runs on the CPU
+            row = self.shape(row, [int(t) for t in state.drafted])
         check = not last and self.min_confidence > 0  # is there a next draft step to skip?
         if params.greedy:
             tok = row.argmax(-1)  # [1]
@@ -242,9 +253,13 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
         rows = _draft_pass([d.drafter.runner for _, d in live], feed)  # [B, V]
         still: list[tuple[int, _Drafting]] = []
         feed = []
-        # greedy rows with no penalty or confidence stop: one argmax for the batch
+        # greedy rows with no penalty, confidence stop or shaping: one argmax for the batch
         plain = all(
-            d.params.greedy and not d.params.penalised and d.drafter.min_confidence == 0 for _, d in live
+            d.params.greedy
+            and not d.params.penalised
+            and d.drafter.min_confidence == 0
+            and d.drafter.shape is None
+            for _, d in live
         )
         toks = rows.argmax(-1) if plain else None  # [B]
         for b, (i, d) in enumerate(live):
@@ -263,3 +278,63 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
         live = still
         step += 1
     return out
+
+
+class PredictionDrafter:
+    """Predicted Outputs (OpenAI's ``prediction``): propose what follows, in the client's predicted
+    text, the place the output so far has reached. Deterministic, like prompt lookup.
+
+    The place is found again at every proposal, so a divergence (an edit) costs only the steps until
+    the output rejoins the prediction: the longest suffix of the output (up to ``SYNC`` tokens) that
+    occurs in the prediction, at the occurrence nearest where the last proposal expected to be.
+    """
+
+    name = "prediction"
+    SYNC = 8
+
+    def __init__(self, device: torch.device, prediction: tuple[int, ...], prompt_tokens: int):
+        self.device = device
+        self.prediction = np.asarray(prediction, dtype=np.int64)
+        self.prompt_tokens = prompt_tokens
+        self.expected = 0  # where, in the prediction, the next output token was expected last time
+        self.output_len = 0
+
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        params: SamplingParams,
+        counts: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        out = tokens[self.prompt_tokens :]
+        hint = self.expected + len(out) - self.output_len
+        at = align(self.prediction, np.asarray(out, dtype=np.int64), hint, self.SYNC)
+        found = [] if at is None else self.prediction[at : at + k].tolist()
+        if at is not None:
+            self.expected, self.output_len = at, len(out)
+        return Proposal(torch.tensor(found, dtype=torch.long, device=self.device), None)
+
+    def catch_up(self, tokens: list[int]) -> None:
+        pass
+
+    def rollback(self, valid: int) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+def align(prediction: np.ndarray, output: np.ndarray, hint: int, sync: int) -> int | None:
+    """Index in ``prediction`` of the token after the output's end: 0 before any output; else just
+    past the longest output suffix (<= ``sync`` tokens) found in the prediction, the occurrence
+    nearest ``hint``; None when not even the last token occurs."""
+    if len(output) == 0:
+        return 0
+    P = len(prediction)
+    for n in range(min(sync, len(output), P), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(prediction, n)  # [P-n+1, n]
+        hits = np.flatnonzero((windows == output[-n:]).all(axis=1)) + n  # ends of matches
+        if hits.size:
+            return int(hits[np.argmin(np.abs(hits - hint))])
+    return None

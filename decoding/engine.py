@@ -19,17 +19,19 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.batch import DecodeBatch
+from decoding.constraints import Constraint, Shaping, logit_bias_tensor
 from decoding.controller import BatchCosts, SpecController
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
+    PredictionDrafter,
     PromptLookupDrafter,
     Proposal,
     ProposeItem,
     catch_up_many,
     propose_many,
 )
-from decoding.errors import PromptTooLong, UnknownModel
+from decoding.errors import InvalidParameter, PromptTooLong, UnknownModel
 from decoding.params import (
     FinishReason,
     GenerationRequest,
@@ -92,6 +94,7 @@ class Sequence:
     prefilled: bool = False
     prefill_cost: float = 0.0  # seconds of prefill steps, in proportion to this sequence's tokens in each
     finished: FinishReason | None = None
+    shaping: Shaping | None = None  # logit_bias and grammar (decoding/constraints.py); None: neither
 
     @property
     def completion_tokens(self) -> int:
@@ -153,7 +156,28 @@ class Engine:
             raise ValueError("the prompt is empty")
         if n + request.params.max_tokens > target.max_context:
             raise PromptTooLong(n, request.params.max_tokens, target.max_context)
+        # [shaping] a bad logit_bias token or a grammar that does not compile: a 400 naming it
+        bad = [t for t, _ in request.logit_bias if not 0 <= t < target.vocab_size]
+        if bad:
+            raise InvalidParameter(
+                f"logit_bias names token ids outside the vocabulary: {bad[:5]}", "logit_bias"
+            )
+        if request.grammar is not None:
+            self._shaping(target, request)
         return target
+
+    @staticmethod
+    def _shaping(target: LoadedModel, request: GenerationRequest) -> Shaping | None:
+        """[shaping] The request's bias and grammar state, or None when it has neither."""
+        if not request.logit_bias and request.grammar is None:
+            return None
+        bias = logit_bias_tensor(request.logit_bias, target.vocab_size, target.device)
+        constraint = None
+        if request.grammar is not None:
+            constraint = Constraint(
+                request.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids
+            )
+        return Shaping(bias, constraint)
 
     def start(self, request: GenerationRequest) -> Sequence:
         target = self.check(request)
@@ -194,6 +218,9 @@ class Engine:
         )
         seq.stats.prompt_tokens = len(request.prompt_token_ids)
         seq.stats.drafter = drafter.name if drafter else "none"
+        seq.shaping = self._shaping(target, request)  # [shaping]
+        if seq.shaping is not None and isinstance(drafter, DraftModelDrafter):
+            drafter.shape = seq.shaping.draft  # [shaping] the draft's logits get the bias and mask too
         return seq
 
     def _draft_cost_prior(self, target: LoadedModel, drafter: Drafter | None) -> float:
@@ -207,6 +234,8 @@ class Engine:
         mode = request.spec.mode
         if mode == SpecMode.OFF:
             return None
+        if request.prediction is not None:  # Predicted Outputs: the client's text drafts
+            return PredictionDrafter(target.device, request.prediction, len(request.prompt_token_ids))
         if mode == SpecMode.AUTO:
             mode = SpecMode.DRAFT if target.draft else SpecMode.NGRAM
         if mode == SpecMode.NGRAM:
@@ -235,13 +264,18 @@ class Engine:
         decoding = [s for s in seqs if s.prefilled]
         chunks = self._prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
         ks = self._choose_ks(decoding)
+        forced = [self._forced(s) for s in decoding]  # [shaping] grammar-forced tokens: free drafts
         items: list[ProposeItem] = [
-            (s.drafter, s.tokens, k, s.request.params, s.counts, s.generator)
-            for s, k in zip(decoding, ks, strict=True)
+            (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
+            for s, k, f in zip(decoding, ks, forced, strict=True)
         ]
         catch_up_many(items)  # a backlog is a one-off cost: kept out of the draft's per-token cost
         timer = StepTimer(seqs[0].target.device)
         proposals = propose_many(items)
+        proposals = [
+            self._shaped(s, f, p) if s.shaping is not None and s.shaping.constraint is not None else p
+            for s, f, p in zip(decoding, forced, proposals, strict=True)
+        ]  # [shaping] forced + drafted, cut at the first token the grammar rejects
         timer.mark()
         batch = DecodeBatch.build(
             [s.tokens[-1] for s in decoding],
@@ -270,6 +304,38 @@ class Engine:
                 s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
             outs[id(s)] = None
         return [outs.get(id(s)) for s in seqs]
+
+    @staticmethod
+    def _forced(seq: Sequence) -> list[int]:
+        """[shaping] The tokens the grammar forces next, proposed as drafts (verification still
+        checks them: another tokenisation of the same bytes may be what the masked target prefers),
+        capped by the step width the runner allows and by max_tokens."""
+        shaping = seq.shaping
+        if shaping is None or shaping.constraint is None or seq.drafter is None:
+            return []
+        remaining = seq.request.params.max_tokens - seq.completion_tokens
+        shaping.forced = shaping.constraint.propose_forced()[
+            : max(0, min(remaining - 1, seq.controller.k_max))
+        ]
+        return shaping.forced
+
+    @staticmethod
+    def _shaped(seq: Sequence, forced: list[int], proposal: Proposal | None) -> Proposal | None:
+        """[shaping] One row's drafts under a grammar: ``forced``, then the drafter's proposal, cut
+        at the first token the grammar rejects. Forced drafts are deterministic (p = one-hot)."""
+        assert seq.shaping is not None and seq.shaping.constraint is not None
+        device = seq.target.device
+        drafted = proposal.tokens.tolist() if proposal is not None else []
+        tokens = forced + drafted
+        n = seq.shaping.constraint.check_drafts(tokens)
+        if n == 0:
+            return None
+        probs = None
+        if proposal is not None and proposal.probs is not None:
+            V = proposal.probs.shape[-1]
+            one_hot = torch.nn.functional.one_hot(torch.tensor(forced, dtype=torch.long, device=device), V)
+            probs = torch.cat([one_hot.to(proposal.probs.dtype), proposal.probs])[:n]
+        return Proposal(torch.tensor(tokens[:n], dtype=torch.long, device=device), probs)
 
     @staticmethod
     def _prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
@@ -346,7 +412,9 @@ class Engine:
         once, the others (their own sampling parameters, generator, penalties) row by row. The
         step's one host sync reads every row's result at once: (accepted n, candidates [k+1])."""
         plain = [
-            b for b, s in enumerate(decoding) if s.request.params.greedy and not s.request.params.penalised
+            b
+            for b, s in enumerate(decoding)
+            if s.request.params.greedy and not s.request.params.penalised and s.shaping is None
         ]
         parts: list[torch.Tensor] = []
         if plain:
@@ -362,6 +430,8 @@ class Engine:
             params = s.request.params
             draft_tokens = batch.drafts[b, :k]
             processed = apply_penalties(logits[b, : k + 1], s.counts, draft_tokens, params)
+            if s.shaping is not None:  # [shaping] bias + the grammar's masks along the draft path
+                processed = s.shaping.target(processed, draft_tokens)
             if params.greedy:
                 n1, cand = verify_greedy(draft_tokens, processed)
             else:
@@ -405,6 +475,8 @@ class Engine:
         if kk == 0 and seq.controller.switched_off:
             seq.stats.spec_disabled_steps += 1
         new_list, finish = self._truncate(seq, new_list)
+        if seq.shaping is not None and seq.shaping.constraint is not None:
+            seq.shaping.constraint.commit(new_list)  # [shaping] the matcher advances by accepted tokens only
         logprobs = None
         if params.logprobs is not None and new_list:
             new = torch.tensor(new_list, device=logits.device)

@@ -58,3 +58,12 @@ class VocabMismatch(ModelLoadError):
         super().__init__(
             f"draft model '{draft}' cannot speculate for target '{target}': their vocabularies differ ({detail})"
         )
+
+
+class InvalidParameter(ValueError):
+    """A request parameter the engine refuses (a grammar that does not compile, a token id outside
+    the vocabulary); ``param`` names it for the 400."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param

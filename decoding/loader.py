@@ -103,6 +103,8 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
+    if store.canonical(spec.source) in tiny.TINY:
+        tokenizer.chat_template = tiny.CHATML  # the current template, also for tiny models built earlier
     config_ctx = int(getattr(model.config, "max_position_embeddings", None) or 4096)
     backend = resolve_backend(spec, device, dtype)
     if backend == "static" and spec.backend == "auto":

@@ -74,12 +74,40 @@ class SpecParams:
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output, compiled by the grammar engine (decoding/grammar.py, llguidance).
+
+    ``kind`` "json_schema": ``text`` is a JSON schema (serialised); "lark": ``text`` is an llguidance
+    Lark grammar (it may embed schemas with ``%json{...}``, as tool calls do).
+    """
+
+    kind: str  # "json_schema" | "lark"
+    text: str
+    param: str = "response_format"  # the request parameter a compile error names ("tools" for tools)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "lark"):
+            raise ValueError(f"grammar kind must be 'json_schema' or 'lark', got {self.kind!r}")
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     model: str  # name of a local model known to the engine
     prompt_token_ids: list[int]
     params: SamplingParams = SamplingParams()
     spec: SpecParams = SpecParams()
+    # added to the target's and the draft's logits before anything else reads them (OpenAI's
+    # logit_bias: bias in [-100, 100]; -100 bans a token, +100 all but forces it)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None  # output constrained to this grammar (structured outputs, tools)
+    # Predicted Outputs: the expected completion as token ids; drafts come from it (lossless)
+    prediction: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
 
 @dataclass(frozen=True)

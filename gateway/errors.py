@@ -6,7 +6,8 @@
     │     PromptTooLong     -> 400 invalid_request_error, code context_length_exceeded, param messages|prompt
     │     EngineOverloaded  -> 503 server_error, code overloaded, Retry-After
     │     EngineStopped     -> 503 server_error, code unavailable, Retry-After
-    │     ValueError        -> 400 invalid_request_error (SamplingParams / SpecParams refusals)
+    │     ValueError        -> 400 invalid_request_error (SamplingParams / SpecParams refusals;
+    │                          InvalidParameter: a grammar that does not compile, a bad logit_bias id, with param)
     ├── pydantic ValidationError -> 400 invalid_request_error, param from the error location
     └── anything else       -> 500 server_error (a real fault; logged with its request id)
 
@@ -103,8 +104,8 @@ def to_api_error(exc: BaseException, prompt_param: str = "messages", retry_after
         return unavailable(str(exc), retry_after, code="overloaded")
     if isinstance(exc, EngineStopped):
         return unavailable("The server is shutting down; retry on another replica.", retry_after)
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+    if isinstance(exc, ValueError):  # decoding.errors.InvalidParameter names its parameter
+        return bad_request(str(exc), param=getattr(exc, "param", None))
     log.error("unhandled error", exc_info=exc)
     return APIError(500, "The server had an error while processing your request.", "server_error")
 

@@ -1,0 +1,187 @@
+"""Logit shaping that speculation must keep exact: a grammar (structured outputs, tool calls) and
+``logit_bias``. One ``Constraint`` per request, applied per row, so a batched engine calls it once
+per running request per step.
+
+The rule that keeps speculation lossless (docs/architecture.md, "Structured outputs"): the output is
+the *masked, biased target's*, so
+
+- the target's logits at every verified position get the bias and the mask of the grammar state
+  reached along the draft path, before penalties' consumers (temperature, top-p/top-k, greedy
+  argmax, rejection sampling) read them;
+- a draft model's logits get the same bias and mask while it drafts (its p is then the masked
+  draft's, which rejection sampling needs to be the distribution the token was really drawn from);
+- drafts are cut at the first token the grammar rejects (their masks do not exist);
+- the matcher advances only by tokens verification accepted; drafting and mask computation roll
+  back whatever they consumed (vLLM #15554, SGLang #24283: grammar state advanced by drafts).
+
+Tokens the grammar forces (``propose_forced``) are proposed as drafts; verification still checks
+them, since another tokenisation of the same bytes may be what the masked target prefers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.torch as llt
+import numpy as np
+import torch
+
+from decoding.grammar import ll_tokenizer, matcher
+from decoding.params import GrammarSpec
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def _exec() -> llguidance.LLExecutor:
+    global _executor  # one thread pool for all requests, built on first use
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    return _executor
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed bitmask [W, ceil(V/32)] int32 -> allowed [W, V] bool (CPU)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size].astype(bool))
+
+
+class Constraint:
+    """A request's grammar state. ``tokens`` committed so far live in the matcher; every other
+    method leaves the matcher where it found it."""
+
+    def __init__(self, spec: GrammarSpec, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.vocab_size = vocab_size
+        self.eos = set(eos_token_ids)
+        self.matcher = matcher(spec, ll_tokenizer(tokenizer, vocab_size, eos_token_ids))
+
+    def propose_forced(self) -> list[int]:
+        """Tokens the grammar forces from here (canonical tokenisation of the forced bytes)."""
+        if self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens())
+
+    def check_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar accepts; an end-of-turn token counts where the
+        grammar may end, and ends the drafts. (End tokens never reach the matcher: llguidance errs,
+        for good, on one fed to a finished grammar.)"""
+        drafts = list(drafts)
+        end = next((i for i, t in enumerate(drafts) if t in self.eos), len(drafts))
+        n = int(self.matcher.validate_tokens(drafts[:end]))
+        if n < end or end == len(drafts):
+            return n
+        return n + int(self._may_end_after(drafts[:end]))
+
+    def _may_end_after(self, prefix: list[int]) -> bool:
+        if prefix and not self.matcher.consume_tokens(prefix):
+            raise AssertionError("drafts that passed validation were rejected")
+        try:
+            return bool(self.matcher.is_accepting())
+        finally:
+            if prefix:
+                self.matcher.rollback(len(prefix))
+
+    def masks(self, drafts: Sequence[int]) -> torch.Tensor:
+        """Allowed tokens [len(drafts)+1, V] at each verified position: row i is the state after
+        drafts[:i]. The drafts must have passed ``check_drafts``. One llguidance call. The row after
+        an end-of-turn draft allows nothing (it is never output; ``apply_logit_mask`` leaves it)."""
+        drafts = list(drafts)
+        ended = bool(drafts) and drafts[-1] in self.eos
+        path = drafts[:-1] if ended else drafts
+        bitmask = llt.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        if path:
+            llt.fill_next_token_bitmask_par_with_draft_tokens(_exec(), [(self.matcher, 0, path)], bitmask)
+        else:  # llguidance's draft call refuses an empty draft
+            llt.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        if ended:
+            bitmask[-1] = 0
+        return unpack(bitmask, self.vocab_size)
+
+    def draft_mask(self, drafted: Sequence[int]) -> torch.Tensor:
+        """Allowed tokens [V] after the committed tokens plus ``drafted`` (while a draft model
+        drafts). After an end-of-turn draft, everything: ``check_drafts`` cuts there anyway."""
+        drafted = list(drafted)
+        if any(t in self.eos for t in drafted):
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        if drafted and not self.matcher.consume_tokens(drafted):
+            raise AssertionError("a masked draft produced a token its grammar rejects")
+        try:
+            bitmask = llt.allocate_token_bitmask(1, self.vocab_size)
+            llt.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        finally:
+            if drafted:
+                self.matcher.rollback(len(drafted))
+        return unpack(bitmask, self.vocab_size)[0]
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Advance by the tokens verification accepted (end-of-turn tokens are not output)."""
+        tokens = [t for t in accepted if t not in self.eos]
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise AssertionError(f"verified tokens broke the grammar: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+
+def apply_logit_mask(
+    logits: torch.Tensor,  # [W, V]
+    allowed: torch.Tensor,  # [W, V] bool
+) -> torch.Tensor:
+    """Disallowed tokens get -inf. A row with nothing allowed (past an end-of-turn draft, never
+    output) is left as it is, so that no row becomes NaN under softmax."""
+    allowed = allowed.to(logits.device)
+    allowed = allowed | ~allowed.any(-1, keepdim=True)  # [W, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def logit_bias_tensor(
+    pairs: Sequence[tuple[int, float]], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """OpenAI's ``logit_bias`` as a dense [V] float32 row (None when empty)."""
+    if not pairs:
+        return None
+    bias = torch.zeros(vocab_size, dtype=torch.float32)
+    for token, value in pairs:
+        bias[token] = value
+    return bias.to(device)
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [W, V]
+    bias: torch.Tensor | None,  # [V]
+) -> torch.Tensor:
+    if bias is None:
+        return logits
+    return (logits.float() + bias).to(logits.dtype)
+
+
+class Shaping:
+    """One request's bias and grammar, as the engine's three call sites use them (target rows,
+    draft rows, commit). ``forced`` is the prefix of the current proposal the grammar forced."""
+
+    def __init__(self, bias: torch.Tensor | None, constraint: Constraint | None):
+        self.bias = bias
+        self.constraint = constraint
+        self.forced: list[int] = []
+
+    def target(
+        self,
+        logits: torch.Tensor,  # [k+1, V]
+        drafts: torch.Tensor,  # [k]
+    ) -> torch.Tensor:
+        logits = apply_logit_bias(logits, self.bias)
+        if self.constraint is not None:
+            logits = apply_logit_mask(logits, self.constraint.masks(drafts.tolist()))
+        return logits
+
+    def draft(
+        self,
+        row: torch.Tensor,  # [1, V]
+        drafted: Sequence[int],  # tokens this proposal drafted before this row (after ``forced``)
+    ) -> torch.Tensor:
+        row = apply_logit_bias(row, self.bias)
+        if self.constraint is not None:
+            row = apply_logit_mask(row, self.constraint.draft_mask([*self.forced, *drafted])[None])
+        return row

@@ -1,0 +1,77 @@
+"""Compiling output grammars with llguidance (no torch here; decoding/constraints.py applies them).
+
+A ``GrammarSpec`` (a JSON schema, or an llguidance Lark grammar, which may embed schemas with
+``%json{...}``) compiles against one model's tokenizer into an ``LLMatcher``: the per-request state
+that yields the allowed tokens at each position. Why llguidance, and what it costs per token, is in
+docs/architecture.md ("Structured outputs").
+
+JSON is generated in the one layout Python's ``json.dumps`` writes (``", "`` between items, ``": "``
+after keys, no other whitespace). A random-weight model under flexible whitespace can spend its
+whole budget on newlines; a real model loses nothing (JSON's meaning ignores the layout), and the
+grammar then forces more tokens, which speculation proposes for free. Qwen2.5's tool-call format
+uses the same separators.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+from decoding.errors import InvalidParameter
+from decoding.params import GrammarSpec
+
+JSON_OPTIONS: Any = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+_tokenizers: dict[int, llguidance.LLTokenizer] = {}
+_lock = threading.Lock()
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """llguidance's view of a Hugging Face tokenizer, built once per tokenizer (about a second for a
+    150K vocabulary). ``vocab_size`` is the model's logits width, which may exceed the tokenizer's;
+    the masks cover it whole. The grammar's end allows any of the model's end-of-turn tokens."""
+    key = id(tokenizer)
+    with _lock:
+        if key not in _tokenizers:
+            _tokenizers[key] = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+            )
+        return _tokenizers[key]
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar for ``spec``; raises ``InvalidParameter`` naming ``spec.param``."""
+    param = spec.param
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.text)
+        except ValueError as exc:
+            raise InvalidParameter(f"The JSON schema is not valid JSON: {exc}", param) from exc
+        if not isinstance(schema, dict):
+            raise InvalidParameter("A JSON schema must be an object.", param)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise InvalidParameter(f"Invalid JSON schema: {exc}", param) from exc
+    return llguidance.LLMatcher.grammar_from_lark(spec.text)
+
+
+def matcher(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> Any:
+    """A fresh matcher at the grammar's start; raises ``InvalidParameter`` if it does not compile
+    (llguidance reports schema features it cannot honour here, rather than ignoring them)."""
+    m = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+    if m.is_error():
+        raise InvalidParameter(f"The grammar could not be compiled: {_short(m.get_error())}", spec.param)
+    return m
+
+
+def _short(error: str) -> str:
+    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
