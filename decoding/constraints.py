@@ -54,7 +54,7 @@ class Constraint:
     def __init__(self, spec: GrammarSpec, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.vocab_size = vocab_size
         self.eos = set(eos_token_ids)
-        self.matcher = matcher(spec, ll_tokenizer(tokenizer, vocab_size, eos_token_ids))
+        self.matcher = matcher(spec, ll_tokenizer(tokenizer, vocab_size, eos_token_ids), tokenizer)
 
     def propose_forced(self) -> list[int]:
         """Tokens the grammar forces from here (canonical tokenisation of the forced bytes)."""

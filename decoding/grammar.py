@@ -15,6 +15,7 @@ uses the same separators.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -22,13 +23,7 @@ import llguidance
 import llguidance.hf
 
 from decoding.errors import InvalidParameter
-from decoding.params import GrammarSpec
-
-JSON_OPTIONS: Any = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
+from decoding.params import JSON_LAYOUT, GrammarSpec
 
 _tokenizers: dict[int, llguidance.LLTokenizer] = {}
 _lock = threading.Lock()
@@ -58,15 +53,29 @@ def grammar_text(spec: GrammarSpec) -> str:
         if not isinstance(schema, dict):
             raise InvalidParameter("A JSON schema must be an object.", param)
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)  # type: ignore[arg-type]
         except ValueError as exc:
             raise InvalidParameter(f"Invalid JSON schema: {exc}", param) from exc
     return llguidance.LLMatcher.grammar_from_lark(spec.text)
 
 
-def matcher(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> Any:
+# a quoted tag in a Lark grammar, e.g. "<tool_call>"
+_TAG = re.compile(r'"(</?[A-Za-z_][A-Za-z0-9_]*>)"')
+
+
+def matcher(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, hf_tokenizer: Any = None) -> Any:
     """A fresh matcher at the grammar's start; raises ``InvalidParameter`` if it does not compile
-    (llguidance reports schema features it cannot honour here, rather than ignoring them)."""
+    (llguidance reports schema features it cannot honour here, rather than ignoring them).
+
+    A quoted tag in a Lark grammar that the tokenizer holds as one special token (Qwen2.5's
+    ``<tool_call>``) becomes that token: llguidance matches special tokens only by name, and the
+    model was trained to emit the token, not its spelling. Elsewhere (the tiny models' byte
+    tokenizer) the tag stays text."""
+    text = spec.text
+    if spec.kind == "lark" and hf_tokenizer is not None:
+        added = hf_tokenizer.get_added_vocab()
+        text = _TAG.sub(lambda m: m.group(1) if m.group(1) in added else m.group(0), text)
+        spec = GrammarSpec(spec.kind, text, spec.param)
     m = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
     if m.is_error():
         raise InvalidParameter(f"The grammar could not be compiled: {_short(m.get_error())}", spec.param)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class SpecMode(StrEnum):
@@ -71,6 +72,11 @@ class SpecParams:
             raise ValueError(f"speculative.max_k must be in [1, 32], got {self.max_k}")
         if self.draft_confidence is not None and not 0 <= self.draft_confidence < 1:
             raise ValueError(f"speculative.draft_confidence must be in [0, 1), got {self.draft_confidence}")
+
+
+# The one JSON layout constrained output uses (llguidance JSON options; why: decoding/grammar.py).
+# Here, torch-free, because the gateway embeds it in tool-call grammars (``%json`` with x-guidance).
+JSON_LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)

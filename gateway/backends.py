@@ -25,7 +25,9 @@ class Job:
     request_id: str
     kind: Literal["chat", "completion"]
     model: str
-    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}], content as plain text
+    # chat: [{"role", "content"}], content as plain text (None: an assistant turn of tool calls only),
+    # plus "tool_calls" on assistant turns and "tool_call_id" on tool turns, in OpenAI's shape
+    messages: list[dict[str, Any]] | None = None
     prompts: list[str | list[int]] | None = None  # completion: each prompt gets n choices
     n: int = 1
     max_tokens: int | None = None  # None: the backend's default, bounded by its context
@@ -42,6 +44,19 @@ class Job:
     granularity: Literal["step", "token"] = "step"
     tenant: str = "anonymous"
     user: str | None = None
+    # chat: structured outputs, tools, Predicted Outputs, as the client sent them (validated);
+    # None is the API's default, so a request without them keeps its cache key
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    prediction: str | None = None  # the predicted content, as text
+    logit_bias: dict[str, float] | None = None  # {"<token id>": bias}
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools may be called (so output text is parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 @dataclass
@@ -52,14 +67,26 @@ class LogprobEntry:
 
 
 @dataclass
+class ToolCallDelta:
+    """One piece of one tool call: its first (``id`` and ``name`` set, ``arguments`` "") or an
+    ``arguments`` fragment. The fragments of one ``index`` concatenate to the call's arguments."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass
 class Delta:
     """New output for one choice: one engine step (or one token with granularity ``token``)."""
 
     index: int
     text: str
     logprobs: list[LogprobEntry] | None = None
-    finish_reason: str | None = None  # "stop" | "length" on the last delta of a choice
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" on the last delta of a choice
     completion_tokens: int = 0  # tokens this delta accounts for (usage)
+    tool_calls: list[ToolCallDelta] | None = None  # call pieces after ``text``, in order
 
 
 @dataclass

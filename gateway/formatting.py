@@ -78,8 +78,12 @@ class _Formatter:
             prompt_tokens=gen.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=gen.prompt_tokens + self.completion_tokens,
+            completion_tokens_details=self.details(gen),
             speculative=gen.speculative,
         )
+
+    def details(self, gen: Generation) -> dict[str, int] | None:
+        return None
 
     def _chunk(self, choices: list[Any], usage: Usage | None = None) -> str:
         """One SSE event: the format's envelope (same id and created on every chunk) around choices."""
@@ -102,6 +106,47 @@ class ChatFormat(_Formatter):
     prefix = "chatcmpl-"
     envelope = ChatCompletionChunk
 
+    def __init__(self, model: str, include_usage: bool, choices: int, prediction: bool = False):
+        super().__init__(model, include_usage, choices)
+        self.prediction = prediction
+        self.calls: list[list[dict[str, Any]]] = [[] for _ in range(choices)]  # tool_calls per choice
+
+    def fold(self, d: Delta) -> None:
+        super().fold(d)
+        for piece in d.tool_calls or []:
+            calls = self.calls[d.index]
+            if piece.id is not None:
+                fn = {"name": piece.name or "", "arguments": ""}
+                calls.append({"id": piece.id, "type": "function", "function": fn})
+            calls[piece.index]["function"]["arguments"] += piece.arguments
+
+    def details(self, gen: Generation) -> dict[str, int] | None:
+        """Predicted Outputs: prediction tokens verification accepted, and those it rejected (drafted
+        and not kept: the target computed them in vain, which is what OpenAI bills them for)."""
+        if not self.prediction:
+            return None
+        spec = gen.speculative or {}
+        used = spec.get("drafter") == "prediction"
+        accepted = int(spec.get("accepted_tokens", 0)) if used else 0
+        drafted = int(spec.get("drafted_tokens", 0)) if used else 0
+        return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
+
+    def _tool_chunks(self, d: Delta) -> list[str]:
+        """One chunk per call opening (index, id, type, name, arguments "") and one per run of a
+        call's argument fragments: never two calls' pieces in one entry, never a fragment first."""
+        out: list[dict[str, Any]] = []
+        for piece in d.tool_calls or []:
+            if piece.id is not None:
+                fn = {"name": piece.name, "arguments": ""}
+                out.append({"index": piece.index, "id": piece.id, "type": "function", "function": fn})
+                if piece.arguments:
+                    out.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+            elif out and "id" not in out[-1] and out[-1]["index"] == piece.index:
+                out[-1]["function"]["arguments"] += piece.arguments
+            elif piece.arguments:
+                out.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+        return [self._chunk([ChunkChoice(index=d.index, delta={"tool_calls": [c]})]) for c in out]
+
     def opening(self, gen: Generation) -> list[str]:
         return [
             self._chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
@@ -115,6 +160,7 @@ class ChatFormat(_Formatter):
         if d.text or d.logprobs:
             lp = chat_logprobs(d.logprobs) if d.logprobs is not None else None
             out.append(self._chunk([ChunkChoice(index=d.index, delta={"content": d.text}, logprobs=lp)]))
+        out += self._tool_chunks(d)
         if d.finish_reason is not None:
             out.append(self._chunk([ChunkChoice(index=d.index, delta={}, finish_reason=d.finish_reason)]))
         return out
@@ -126,11 +172,12 @@ class ChatFormat(_Formatter):
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=text),
+                # content is null when the turn is tool calls alone, as OpenAI sends it
+                message=AssistantMessage(content=text or (None if calls else text), tool_calls=calls or None),
                 logprobs=None if lp is None else chat_logprobs(lp),
                 finish_reason=self.finish[i] or "stop",
             )
-            for i, (text, lp) in enumerate(zip(self.texts, self.logprobs, strict=True))
+            for i, (text, lp, calls) in enumerate(zip(self.texts, self.logprobs, self.calls, strict=True))
         ]
         body = ChatCompletion(
             id=self.id,
@@ -140,7 +187,11 @@ class ChatFormat(_Formatter):
             choices=choices,
             usage=self.usage(gen),
         )
-        return body.model_dump(mode="json")
+        whole = body.model_dump(mode="json")
+        for choice in whole["choices"]:
+            if choice["message"]["tool_calls"] is None:
+                del choice["message"]["tool_calls"]
+        return whole
 
 
 class CompletionFormat(_Formatter):

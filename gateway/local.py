@@ -21,6 +21,7 @@ from decoding.params import FinishReason, GenerationRequest, RequestStats, Sampl
 from gateway.backends import Delta, Generation, Job, LogprobEntry
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.errors import bad_request
+from gateway.tools import ToolCallParser, grammar_for, template_messages
 
 _DONE = object()  # a pump finished its choice
 
@@ -41,7 +42,12 @@ class LocalBackend:
     def _prompts(self, job: Job, tok: Any) -> list[tuple[list[int], str]]:
         """(token ids, text) per prompt; text is what ``echo`` sends back."""
         if job.kind == "chat":
-            enc = tok.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
+            enc = tok.apply_chat_template(
+                template_messages(job.messages or []),
+                tools=job.tools if job.calls_tools else None,
+                add_generation_prompt=True,
+                tokenize=True,
+            )
             ids = list(enc["input_ids"])
             return [(ids, "")]
         out = []
@@ -62,6 +68,14 @@ class LocalBackend:
 
     def _requests(self, job: Job, prompts: list[tuple[list[int], str]]) -> list[GenerationRequest]:
         context = self.engine.engine.model(job.model).max_context
+        bias = tuple((int(t), b) for t, b in (job.logit_bias or {}).items())
+        grammar = grammar_for(
+            job.response_format, job.tools, job.tool_choice, job.parallel_tool_calls is not False
+        )
+        prediction = None
+        if job.prediction is not None:
+            tok = self.tokenizer(job.model)
+            prediction = tuple(tok.encode(job.prediction, add_special_tokens=False))
         reqs = []
         for ids, _ in prompts:
             # no limit given: as many as fit, up to the server default (never a PromptTooLong for it)
@@ -77,7 +91,18 @@ class LocalBackend:
                     frequency_penalty=job.frequency_penalty,
                     logprobs=job.logprobs,
                 )
-                reqs.append(GenerationRequest(uuid.uuid4().hex, job.model, ids, params, job.spec))
+                reqs.append(
+                    GenerationRequest(
+                        uuid.uuid4().hex,
+                        job.model,
+                        ids,
+                        params,
+                        job.spec,
+                        logit_bias=bias,
+                        grammar=grammar,
+                        prediction=prediction,
+                    )
+                )
         return reqs
 
     async def start(self, job: Job) -> Generation:
@@ -149,6 +174,7 @@ class LocalBackend:
     ) -> None:
         detok = IncrementalDetokenizer(tok, req.prompt_token_ids)
         matcher = StopMatcher(list(job.stops))
+        calls = ToolCallParser() if job.calls_tools else None  # <tool_call> text -> tool_calls deltas
         seen = RequestStats(prompt_tokens=len(req.prompt_token_ids))
         try:
             step = await first
@@ -180,8 +206,17 @@ class LocalBackend:
                 seen.completion_tokens += used
                 lps = _logprobs(tok, step, used)
                 for delta in _split(index, texts, lps, used, job.granularity):
+                    if calls is not None:
+                        delta.text, pieces = calls.feed(delta.text)
+                        delta.tool_calls = pieces or None
                     queue.put_nowait(delta)
                 if finish is not None:
+                    if calls is not None:
+                        text, pieces = calls.flush()
+                        if text or pieces:
+                            queue.put_nowait(Delta(index, text, None, None, 0, pieces or None))
+                        if calls.calls and finish == "stop":
+                            finish = "tool_calls"
                     queue.put_nowait(Delta(index, "", None, finish, 0))
                     final = step.stats if step.finish_reason is not None and step.stats else seen
                     final.completion_tokens = seen.completion_tokens

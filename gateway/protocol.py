@@ -13,21 +13,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-# Declared on requests only to be refused with a 400 naming them (see serving.refuse_unsupported).
+# Declared on requests only to be refused with a 400 naming them (see serving.to_job).
 UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "response_format",
-    "logit_bias",
     "audio",
     "modalities",
-    "prediction",
     "web_search_options",
     "suffix",
     "best_of",
 )
+# Chat-only parameters, refused by name on legacy completions.
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "prediction")
 
 
 def _integral(value: Any) -> Any:
@@ -71,18 +68,76 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    # "developer" is OpenAI's newer name for "system"; "tool" needs tools, which we refuse.
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    # "developer" is OpenAI's newer name for "system"
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class Prediction(_Strict):
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class _Sampling(_Request):
@@ -105,16 +160,12 @@ class _Sampling(_Request):
     top_k: Int | None = Field(default=None, ge=0, le=INT64_MAX)
     speculative: SpeculativeOptions | None = None
     stream_granularity: Literal["step", "token"] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # refused by name when present
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
     audio: Any = None
     modalities: Any = None
-    prediction: Any = None
     web_search_options: Any = None
 
     @property
@@ -130,6 +181,11 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     # as OpenAI documents it: "logprobs must be set to true if this parameter is used" (else a 400)
@@ -148,6 +204,12 @@ class CompletionRequest(_Sampling):
     logprobs: Int | None = Field(default=None, ge=0, le=5)
     suffix: Any = None
     best_of: Any = None
+    # chat-only, refused by name here (CHAT_ONLY)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    prediction: Any = None
 
     @property
     def token_limit(self) -> int | None:
@@ -161,6 +223,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # {accepted_prediction_tokens, rejected_prediction_tokens} with Predicted Outputs
+    completion_tokens_details: dict[str, int] | None = None
     speculative: dict[str, Any] | None = None  # RequestStats.as_dict(), merged over choices
 
 
@@ -187,8 +251,9 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[dict[str, Any]] | None = None  # left out of the body when None
 
 
 class ChatChoice(BaseModel):
@@ -210,7 +275,8 @@ class ChatCompletion(BaseModel):
 
 class ChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}, {} last
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from decoding.errors import EngineOverloaded, EngineStopped
-from gateway.backends import Backend, Delta, Generation, Job, LogprobEntry, Route
+from gateway.backends import Backend, Delta, Generation, Job, LogprobEntry, Route, ToolCallDelta
 from gateway.errors import APIError, unavailable
 from gateway.settings import Settings
 from router.config import RouterSettings, TierSettings
@@ -58,8 +58,16 @@ def _body(job: Job) -> dict[str, Any]:
         body["stop"] = list(job.stops)
     if job.user is not None:
         body["user"] = job.user
+    if job.logit_bias:
+        body["logit_bias"] = job.logit_bias
     if job.kind == "chat":
         body["messages"] = job.messages
+        # structured outputs, tools and Predicted Outputs go upstream as the client sent them
+        for name in ("tools", "tool_choice", "parallel_tool_calls", "response_format"):
+            if getattr(job, name) is not None:
+                body[name] = getattr(job, name)
+        if job.prediction is not None:
+            body["prediction"] = {"type": "content", "content": job.prediction}
         if job.logprobs is not None:
             body["logprobs"], body["top_logprobs"] = True, job.logprobs
     else:
@@ -79,6 +87,19 @@ def _logprobs(choice: dict[str, Any]) -> list[LogprobEntry] | None:
         )
         for e in lp["content"]
     ]
+
+
+def _tool_calls(delta: dict[str, Any]) -> list[ToolCallDelta] | None:
+    """An upstream's streamed tool_calls, passed on piece by piece (same indexes, ids, fragments)."""
+    out = []
+    for c in delta.get("tool_calls") or []:
+        if not isinstance(c, dict):
+            continue
+        fn = c.get("function") or {}
+        out.append(
+            ToolCallDelta(int(c.get("index", 0)), fn.get("arguments") or "", c.get("id"), fn.get("name"))
+        )
+    return out or None
 
 
 def _trace_headers(job: Job) -> dict[str, str]:
@@ -140,7 +161,9 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                 d = Delta(
                     int(choice.get("index", 0)), text or "", _logprobs(choice), choice.get("finish_reason")
                 )
-                if not d.text and d.finish_reason is None:
+                if job.kind == "chat":
+                    d.tool_calls = _tool_calls(choice.get("delta") or {})
+                if not d.text and d.finish_reason is None and not d.tool_calls:
                     continue  # the role chunk: our formatter writes its own
                 d.completion_tokens = 1 if d.text else 0
                 counted += d.completion_tokens

@@ -27,7 +27,7 @@ from gateway.errors import APIError, bad_request, error_event, error_response, t
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.limits import RateLimiter, read_body
 from gateway.observability import note_usage, observe_job
-from gateway.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from gateway.protocol import CHAT_ONLY, UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings
 
 
@@ -54,7 +54,8 @@ def to_job(
 ) -> Job:
     """Limits and refusals that depend on the server's settings, then the backend-neutral job."""
     limits = settings.limits
-    for name in UNSUPPORTED:
+    refused = UNSUPPORTED if isinstance(req, ChatCompletionRequest) else UNSUPPORTED + CHAT_ONLY
+    for name in refused:
         if getattr(req, name, None) is not None:
             raise bad_request(f"The parameter '{name}' is not supported by this server.", param=name)
     if req.n > limits.max_n:
@@ -95,16 +96,118 @@ def to_job(
         granularity=req.stream_granularity or settings.stream_granularity,
         tenant=tenant,
         user=req.user,
+        logit_bias=_logit_bias(req.logit_bias),
     )
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-        ]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return Job(kind="chat", messages=messages, logprobs=logprobs, **common)
+        return Job(kind="chat", messages=_messages(req), logprobs=logprobs, **_structured(req), **common)
     return Job(kind="completion", prompts=prompts, logprobs=req.logprobs, echo=req.echo, **common)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    if not bias:
+        return None
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}.", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}.", param="logit_bias")
+    return {str(int(k)): float(v) for k, v in bias.items()}
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """OpenAI messages, normalised (developer -> system, text parts joined); a tool result must
+    answer a call an earlier assistant turn made."""
+    out: list[dict[str, Any]] = []
+    called: set[str] = set()
+    for i, m in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.role == "assistant" and m.tool_calls:
+            msg["content"] = m.text() or None
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            called.update(c.id for c in m.tool_calls)
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request("A tool message needs a tool_call_id.", param=f"messages[{i}].tool_call_id")
+            if m.tool_call_id not in called:
+                raise bad_request(
+                    f"Invalid parameter: messages[{i}].tool_call_id '{m.tool_call_id[:64]}' answers no earlier "
+                    "tool call.",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _structured(req: ChatCompletionRequest) -> dict[str, Any]:
+    """tools, tool_choice, response_format and prediction as Job fields, checked for consistency."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice: str | dict[str, Any] | None = None
+    if req.tool_choice is not None:
+        choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise bad_request(
+                f"tool_choice names a function that is not in tools: '{name[:64]}'.", param="tool_choice"
+            )
+    elif choice == "required" and not tools:
+        raise bad_request("tool_choice 'required' needs at least one tool in tools.", param="tool_choice")
+    fmt = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
+    if fmt is not None and fmt["type"] == "json_schema":
+        schema = fmt.get("json_schema", {}).get("schema")
+        if "json_schema" not in fmt:
+            raise bad_request(
+                "response_format json_schema needs a json_schema object.", param="response_format"
+            )
+        if schema is not None and not _schema_ok(schema):
+            raise bad_request(
+                "Invalid schema for response_format: a 'type' names no JSON type.", param="response_format"
+            )
+    if fmt is not None and fmt["type"] == "text":
+        fmt = None  # the default; keeps the cache key of a request that did not send it
+    for t in tools or []:
+        params = t["function"].get("parameters")
+        if params is not None and not _schema_ok(params):
+            raise bad_request(f"Invalid schema for function '{t['function']['name']}'.", param="tools")
+    return {
+        "tools": tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": fmt,
+        "prediction": req.prediction.text() if req.prediction is not None else None,
+    }
+
+
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _schema_ok(schema: Any) -> bool:
+    """A cheap structural check (the grammar compiler does the rest): every ``type`` names JSON types."""
+    if isinstance(schema, bool):
+        return True
+    if not isinstance(schema, dict):
+        return False
+    t = schema.get("type")
+    types = t if isinstance(t, list) else [t] if t is not None else []
+    if any(x not in _JSON_TYPES for x in types):
+        return False
+    subs: list[Any] = (
+        list((schema.get("properties") or {}).values()) if isinstance(schema.get("properties"), dict) else []
+    )
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            subs.append(schema[key])
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(schema.get(key), list):
+            subs.extend(schema[key])
+    for defs in ("$defs", "definitions"):
+        if isinstance(schema.get(defs), dict):
+            subs.extend(schema[defs].values())
+    return all(_schema_ok(x) for x in subs)
 
 
 def _spec(req: ChatCompletionRequest | CompletionRequest) -> SpecParams:
@@ -171,7 +274,9 @@ async def _serve(
         # the response names the model that serves it (`auto` resolves to a real one), as OpenAI does
         served = route.job.model
         if isinstance(req, ChatCompletionRequest):
-            fmt: ChatFormat | CompletionFormat = ChatFormat(served, req.include_usage, _choices(job))
+            fmt: ChatFormat | CompletionFormat = ChatFormat(
+                served, req.include_usage, _choices(job), prediction=job.prediction is not None
+            )
         else:
             fmt = CompletionFormat(served, req.include_usage, _choices(job), job.n, job.echo)
         cached = await state.cache.lookup(route.job, request.headers, body) if state.cache else None

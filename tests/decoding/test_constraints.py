@@ -124,13 +124,28 @@ def test_sampled_constrained_choice_has_the_masked_target_distribution(tiny_mode
     assert abs(sum(expected) - 1) < 1e-4
     grammar = GrammarSpec("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
     engine = Engine(tiny_models)
-    N = 800
+    N, B = 800, 8  # B sequences per batched step (the rows differ: own seeds, own grammar states)
     counts = dict.fromkeys(choices, 0)
-    for seed in range(N):
-        req = request(tiny_models, "pick:", "draft", grammar, k=3, temperature=1.0, seed=seed, max_tokens=8)
-        tokens, _, finish = engine.generate(req)
-        assert finish == FinishReason.STOP
-        counts[tok.decode(tokens)] += 1
+    for first in range(0, N, B):
+        seqs = [
+            engine.start(
+                request(tiny_models, "pick:", "draft", grammar, k=3, temperature=1.0, seed=s, max_tokens=8)
+            )
+            for s in range(first, first + B)
+        ]
+        out: dict[int, list[int]] = {id(s): [] for s in seqs}
+        live = list(seqs)
+        while live:
+            steps = engine.step_batch(live)
+            for s, step in zip(list(live), steps, strict=True):
+                if step is not None:
+                    out[id(s)] += step.token_ids
+                    if step.finish_reason is not None:
+                        assert step.finish_reason == FinishReason.STOP
+                        live.remove(s)
+        for s in seqs:
+            counts[tok.decode(out[id(s)])] += 1
+            s.release()
     observed = np.array([counts[c] for c in choices])
     exp = np.array(expected) / sum(expected) * N
     keep = exp >= 5  # chi-square needs expected counts of at least ~5; pool the rest
