@@ -202,7 +202,7 @@ def resolve_backend(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -
 
 def check_static(model: PreTrainedModel, max_len: int) -> None:
     """Raise ModelLoadError where the static layer cannot run ``model``."""
-    from decoding.static import check_supported, layer_weights
+    from decoding.layers import check_supported, layer_weights
 
     check_supported(model, max_len)
     with torch.inference_mode():

@@ -16,6 +16,9 @@ kernels rather than through the HF modules:
     residual adds into a few kernels. T = 1 is compiled static; T >= 2 (verification, prefill) once
     with T dynamic.
 
+The layer's math and the weight fusion are ``decoding.layers``; this module holds the cache, the
+batching of rows into one step, and the graphs.
+
     StaticModel   one model: fused weights, KV cache for ``slots`` sequences, RoPE tables, graphs
     StaticRunner  one sequence on one slot (the SequenceRunner the engine drives)
 """
@@ -24,183 +27,23 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers import PreTrainedModel
 
-from decoding.errors import ModelLoadError, NoFreeSlot
+from decoding.errors import NoFreeSlot
+from decoding.layers import (
+    Dims,
+    attend,
+    attention_in,
+    attention_out,
+    check_supported,
+    layer_weights,
+    rms_norm,
+)
 from decoding.runner import EXACT_WIDTH, Row, StepRows, Tokens, Want, as_ids
-
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
-
-
-class Dims(NamedTuple):
-    """A model's constants: compiled code specialises on them (one compile per model, not per call)."""
-
-    n_heads: int
-    n_kv: int
-    head_dim: int
-    eps: float
-    scale: float
-    gqa: bool
-
-
-class LayerWeights(NamedTuple):
-    ln1: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KV) hd, D]
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3's per-head norms
-    k_norm: torch.Tensor | None
-    o: torch.Tensor
-    ln2: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, D]
-    down: torch.Tensor
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama/Qwen2 RMSNorm, step for step (float32 statistics, weight applied in x's dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def attention_in(
-    x: torch.Tensor,  # [N, D] every token of the step, flattened across rows
-    cos: torch.Tensor,  # [N, hd]
-    sin: torch.Tensor,
-    w: LayerWeights,
-    d: Dims,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm, fused q/k/v projection and RoPE: per token, so rows of any lengths share one matmul."""
-    N = x.shape[0]
-    H, KV, hd = d.n_heads, d.n_kv, d.head_dim
-    qkv = F.linear(rms_norm(x, w.ln1, d.eps), w.qkv, w.qkv_bias)
-    q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
-    q, k, v = q.view(N, H, hd), k.view(N, KV, hd), v.view(N, KV, hd)
-    if w.q_norm is not None and w.k_norm is not None:
-        q, k = rms_norm(q, w.q_norm, d.eps), rms_norm(k, w.k_norm, d.eps)
-    c, s = cos[:, None], sin[:, None]  # [N, 1, hd]
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
-
-
-def attention_out(
-    x: torch.Tensor,  # [N, D] the layer's input (residual)
-    o: torch.Tensor,  # [N, H * hd] attention output
-    w: LayerWeights,
-    d: Dims,
-) -> torch.Tensor:
-    """Output projection, residual, RMSNorm and the SiLU-gated MLP: per token, like attention_in."""
-    x = x + F.linear(o, w.o)
-    gate, up = F.linear(rms_norm(x, w.ln2, d.eps), w.gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w.down)
-
-
-def attend(
-    q: torch.Tensor,  # [B, W, H, hd]
-    k_cache: torch.Tensor,  # [B, L, KV, hd] (a view or a gather of the rows' slots)
-    v_cache: torch.Tensor,
-    mask: torch.Tensor,  # [B, 1, W, L] additive
-    d: Dims,
-) -> torch.Tensor:
-    """Attention of each row's queries over its own cache: [B, W, H * hd]."""
-    B, W = q.shape[:2]
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k_cache.transpose(1, 2),
-        v_cache.transpose(1, 2),
-        attn_mask=mask,
-        scale=d.scale,
-        enable_gqa=d.gqa,
-    )  # [B, H, W, hd]
-    return o.transpose(1, 2).reshape(B, W, d.n_heads * d.head_dim)
-
-
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linears on the same input; the modules are rebound to
-    views of it, so there is one copy in memory. Idempotent: a second StaticModel over the same HF
-    model finds the fused tensors already there."""
-    cached = getattr(linears[0], "_specgate_fused", None)
-    if cached is not None and all(_shares(m.weight, cached[0]) for m in linears):
-        return cached  # (a copied or cast model has its own weights and is fused afresh)
-    weight = torch.cat([m.weight.detach() for m in linears])
-    biases = [m.bias for m in linears]
-    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    if any(b is not None for b in biases) and bias is None:
-        raise ModelLoadError("static backend: q/k/v projections mix biased and unbiased layers")
-    row = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
-        row += n
-    linears[0]._specgate_fused = (weight, bias)  # type: ignore[assignment]
-    return weight, bias
-
-
-def _shares(view: torch.Tensor, base: torch.Tensor) -> bool:
-    return view.dtype == base.dtype and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-
-
-def _norm_weight(module: nn.Module | None) -> torch.Tensor | None:
-    if module is None:
-        return None
-    weight = module.weight
-    assert isinstance(weight, torch.Tensor)
-    return weight.detach()
-
-
-def layer_weights(model: PreTrainedModel) -> list[LayerWeights]:
-    out = []
-    for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        if any(m.bias is not None for m in (a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            # the layer below has biases only on q/k/v (Qwen2); dropping others would be silently wrong
-            raise ModelLoadError(
-                "static backends support q/k/v biases only (attention_bias/mlp_bias): use backend 'eager'"
-            )
-        qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
-        gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-        out.append(
-            LayerWeights(
-                ln1=layer.input_layernorm.weight.detach(),
-                qkv=qkv,
-                qkv_bias=qkv_bias,
-                q_norm=_norm_weight(getattr(a, "q_norm", None)),
-                k_norm=_norm_weight(getattr(a, "k_norm", None)),
-                o=a.o_proj.weight.detach(),
-                ln2=layer.post_attention_layernorm.weight.detach(),
-                gate_up=gate_up,
-                down=mlp.down_proj.weight.detach(),
-            )
-        )
-    return out
-
-
-def check_supported(model: PreTrainedModel, max_len: int) -> None:
-    cfg = model.config
-    if cfg.model_type not in SUPPORTED:
-        raise ModelLoadError(
-            f"static backends support {', '.join(SUPPORTED)} models, not '{cfg.model_type}': use backend 'eager'"
-        )
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ModelLoadError(
-            f"static backends need a SiLU-gated MLP, not '{cfg.hidden_act}': use backend 'eager'"
-        )
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    if window and window < max_len:
-        raise ModelLoadError(
-            f"static backends have no sliding-window attention ({window} < max_context {max_len}): use backend 'eager'"
-        )
-
 
 # Dynamo settings for the compiled layer, applied only around our own calls:
 #  - no automatic dynamic shapes: the draft and target share the layer's code, and a second model's
