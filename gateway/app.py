@@ -29,7 +29,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.async_engine import AsyncEngine
 from gateway import protocol, serving
-from gateway.cache.breaker import CircuitBreaker
 from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, error_response, to_api_error, unavailable
 from gateway.limits import RateLimiter, RedisBuckets, body_deadline
@@ -37,9 +36,10 @@ from gateway.local import LocalBackend
 from gateway.observability import Observability
 from gateway.observability.metrics import Metrics
 from gateway.observability.record import MAX_CLIENT_CHARS
-from gateway.remote import RoutingService
+from gateway.routing import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
+from router.breaker import CircuitBreaker
 
 log = logging.getLogger("specgate.gateway")
 
@@ -278,7 +278,7 @@ def rate_limiter(settings: Settings, metrics: Metrics) -> RateLimiter:
             cache.breaker_failures,
             cache.breaker_cooldown_s,
             on_change=lambda state: metrics.set_circuit_state("rate_limits", state),
-            what="rate limits",
+            name="rate limits: Redis",
         )
         metrics.set_circuit_state("rate_limits", breaker.state)
         shared = RedisBuckets(cache.redis_url, cache.key_prefix, cache.timeout_ms / 1000, breaker)

@@ -124,12 +124,6 @@ class Route:
     label: str  # the x-specgate-route header value, e.g. "local:qwen2.5-coder-1.5b"
 
 
-class Router(Protocol):
-    """Seam for router/: ``app.state.gateway.router``. ``local`` is the local backend (None while loading)."""
-
-    async def route(self, job: Job, local: Backend | None) -> Route: ...
-
-
 class CacheLookup(Protocol):
     @property
     def header(self) -> str: ...  # x-specgate-cache: "exact; similarity=1.0000", "semantic; ...", "miss"
@@ -139,7 +133,7 @@ class CacheLookup(Protocol):
     def store(self, fmt: Any, gen: Generation) -> None: ...  # after the last delta only
 
 
-class ResponseCache(Protocol):
+class ServingCache(Protocol):
     """Seam for gateway/cache/ (gateway.cache.seam.GatewayCache): ``app.state.gateway.cache``.
     ``lookup`` before generation (raises only an APIError 400 for a bad ``cache`` body field);
     ``job.tenant`` scopes entries."""

@@ -23,9 +23,9 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.types import Message, Receive
 
-from gateway.cache.breaker import CircuitBreaker
-from gateway.cache.redis_backend import fail_fast_client
+from gateway.cache.redis_store import fail_fast_client
 from gateway.errors import APIError
+from router.breaker import CircuitBreaker
 
 
 def too_large(limit: int) -> APIError:
@@ -219,9 +219,9 @@ class RedisBuckets:
             async with asyncio.timeout(self.timeout_s):
                 out = await self.script(keys=self.keys(tenant), args=list(args))
         except (RedisError, OSError, TimeoutError) as exc:
-            self.breaker.failure()
+            self.breaker.record_failure()
             raise LimitsUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        self.breaker.success()
+        self.breaker.record_success()
         return [float(x) for x in out]
 
     async def admit(self, key: str, rpm: int | None, tpm: int | None) -> Decision:

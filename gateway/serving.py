@@ -22,12 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from decoding.params import SpecMode, SpecParams
-from gateway.backends import Backend, Delta, Generation, Job, ResponseCache, Route, Router
+from gateway.backends import Backend, Delta, Generation, Job, Route, ServingCache
 from gateway.errors import APIError, bad_request, error_event, error_response, to_api_error, unavailable
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.limits import RateLimiter, read_body
 from gateway.observability import note_usage, observe_job
 from gateway.protocol import CHAT_ONLY, UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from gateway.routing import RoutingService
 from gateway.settings import Settings
 
 
@@ -39,8 +40,8 @@ class GatewayState:
     limiter: RateLimiter
     registry: CollectorRegistry  # /metrics renders this; observability registers into it
     backend: Backend | None = None  # the local backend; None while models load
-    router: Router | None = None
-    cache: ResponseCache | None = None
+    router: RoutingService | None = None
+    cache: ServingCache | None = None
     metrics: Any = None
     draining: bool = False
     inflight: int = 0  # inference requests being served (the SIGTERM drain waits for 0)

@@ -1,6 +1,6 @@
-"""``ResponseCache``: the exact tier, then the semantic tier, over a Redis or in-process backend.
+"""``ResponseCache``: the exact tier, then the semantic tier, over a Redis or in-process store.
 
-It never raises into the request path: any backend or embedder failure is logged, counted, and
+It never raises into the request path: any store or embedder failure is logged, counted, and
 answered as a miss (lookup) or a skipped write (store).
 
 Observed through ``metrics`` (``gateway.observability.Metrics``) and ``tracer``, both optional. Each
@@ -27,12 +27,12 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from decoding.embedder import Embedder, SentenceEmbedder
 from gateway.cache import guard
-from gateway.cache.backend import Backend, MemoryBackend, SemanticPart
-from gateway.cache.breaker import CircuitBreaker
 from gateway.cache.lsh import HyperplaneLSH, pack, unpack
 from gateway.cache.query import CacheQuery, Endpoint, build_query, cacheable, deterministic, parse_controls
 from gateway.cache.response import CachedResponse, CacheHit
 from gateway.cache.settings import CacheSettings
+from gateway.cache.store import CacheStore, MemoryStore, SemanticPart
+from router.breaker import CircuitBreaker
 
 log = logging.getLogger("specgate.cache")
 EMBED_DIM = 384  # all-MiniLM-L6-v2
@@ -52,7 +52,7 @@ class ResponseCache:
     def __init__(
         self,
         settings: CacheSettings,
-        backend: Backend | None = None,
+        store: CacheStore | None = None,
         embedder: Embedder | None = None,
         metrics: CacheMetrics | None = None,
         tracer: trace.Tracer | None = None,
@@ -60,10 +60,12 @@ class ResponseCache:
         self.settings = settings
         self.metrics = metrics
         self.tracer = tracer or trace.NoOpTracer()
-        self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_s)
-        if backend is None:
-            backend = self._default_backend(settings)
-        self.backend = backend
+        self.breaker = CircuitBreaker(
+            settings.breaker_failures, settings.breaker_cooldown_s, name="cache: Redis"
+        )
+        if store is None:
+            store = self._default_store(settings)
+        self.entries = store
         if metrics is not None and self.kind == "redis":
             self.breaker.on_change = lambda state: metrics.set_circuit_state("redis", state)
             metrics.set_circuit_state("redis", self.breaker.state)
@@ -74,13 +76,13 @@ class ResponseCache:
         self.stats: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[bool]] = set()
 
-    def _default_backend(self, s: CacheSettings) -> Backend:
+    def _default_store(self, s: CacheSettings) -> CacheStore:
         if s.redis_url is None:
-            return MemoryBackend(s.lru_size)
-        from gateway.cache.redis_backend import RedisBackend
+            return MemoryStore(s.lru_size)
+        from gateway.cache.redis_store import RedisStore
 
         on_error = self.metrics.observe_redis_error if self.metrics is not None else None
-        return RedisBackend(
+        return RedisStore(
             s.redis_url,
             s.key_prefix,
             s.timeout_ms / 1000,
@@ -100,7 +102,7 @@ class ResponseCache:
 
     async def close(self) -> None:
         await self.drain()
-        await self.backend.close()
+        await self.entries.close()
         if isinstance(self.embedder, SentenceEmbedder):
             self.embedder.close()
 
@@ -175,22 +177,22 @@ class ResponseCache:
         span.set_attributes({"specgate.cache.tier": tier, "specgate.cache.outcome": outcome})
 
     async def _exact(self, q: CacheQuery) -> CacheHit | None:
-        blob = await self.backend.get(q.tenant_tag, q.exact_key)
+        blob = await self.entries.get(q.tenant_tag, q.exact_key)
         return CacheHit("exact", 1.0, CachedResponse.from_bytes(blob)) if blob is not None else None
 
     async def _semantic(self, q: CacheQuery, vec: np.ndarray) -> CacheHit | None:
-        want = guard.features(q.semantic_text or "")
-        cands = await self.backend.candidates(
+        want = guard.key_terms(q.semantic_text or "")
+        cands = await self.entries.candidates(
             q.tenant_tag, self._scope(q), self.lsh.signatures(vec), self.settings.lsh_bucket_limit
         )
         scored = sorted(((float(unpack(c.vector) @ vec), c) for c in cands), key=lambda t: -t[0])
         for sim, cand in scored:
             if sim < self.settings.semantic_threshold:
                 break
-            if not guard.compatible(want, guard.Features.from_json(json.loads(cand.features))):
+            if not guard.compatible(want, guard.KeyTerms.from_json(json.loads(cand.key_terms))):
                 self.stats["guard_refused"] += 1
                 continue
-            blob = await self.backend.get(q.tenant_tag, cand.key)
+            blob = await self.entries.get(q.tenant_tag, cand.key)
             if blob is not None:
                 return CacheHit("semantic", min(sim, 1.0), CachedResponse.from_bytes(blob))
         return None
@@ -223,9 +225,9 @@ class ResponseCache:
             semantic = None
             vec = await self._embed(q)
             if vec is not None:
-                feats = json.dumps(guard.features(q.semantic_text or "").to_json(), separators=(",", ":"))
+                feats = json.dumps(guard.key_terms(q.semantic_text or "").to_json(), separators=(",", ":"))
                 semantic = SemanticPart(self._scope(q), self.lsh.signatures(vec), pack(vec), feats.encode())
-            await self.backend.put(
+            await self.entries.put(
                 q.tenant_tag, q.exact_key, blob, ttl, self.settings.max_entries_per_tenant, semantic
             )
         except Exception as exc:  # fail open: the answer was already served

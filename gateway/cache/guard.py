@@ -19,7 +19,7 @@ this bug). Paraphrases reword the ordinary words; near misses change one of thes
   or drops an argument still matches; one that swaps two is refused (symmetric relations, "Python
   and Java", are refused too: a miss costs a generation, a wrong hit a wrong answer).
 
-The features are small, so entries store them instead of the prompt text.
+The key terms are small, so entries store them instead of the prompt text.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ _IDENT = re.compile(r"_|[a-z][A-Z]|\w\.\w")
 
 
 @dataclass(frozen=True)
-class Features:
+class KeyTerms:
     negations: int
     numbers: tuple[str, ...]  # sorted multiset
     polarity: tuple[str, ...]  # sorted set
@@ -96,13 +96,13 @@ class Features:
         return [*out, list(self.order)] if self.order is not None else out
 
     @classmethod
-    def from_json(cls, raw: list[object]) -> Features:
+    def from_json(cls, raw: list[object]) -> KeyTerms:
         neg, nums, pol, names = raw[:4]
         order: tuple[str, ...] | None = tuple(raw[4]) if len(raw) > 4 else None  # type: ignore[arg-type]
         return cls(int(neg), tuple(nums), tuple(pol), tuple(names), order)  # type: ignore[arg-type, call-overload]
 
 
-def features(text: str) -> Features:
+def key_terms(text: str) -> KeyTerms:
     negations = 0
     numbers: list[str] = []
     polarity: set[str] = set()
@@ -151,7 +151,7 @@ def features(text: str) -> Features:
             arg = next((words[j] for j in side if _argument(words[j])), None)
             if arg is not None:
                 order.append(arg)
-    return Features(
+    return KeyTerms(
         negations,
         tuple(sorted(numbers)),
         tuple(sorted(polarity)),
@@ -189,7 +189,7 @@ def _is_name(tok: str, sentence_start: bool, bare: str) -> bool:
     return False
 
 
-def compatible(a: Features, b: Features) -> bool:
+def compatible(a: KeyTerms, b: KeyTerms) -> bool:
     """True when nothing answer-changing differs between the two texts."""
     if (a.negations, a.numbers, a.polarity, a.names) != (b.negations, b.numbers, b.polarity, b.names):
         return False

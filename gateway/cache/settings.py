@@ -26,7 +26,7 @@ class CacheSettings(BaseModel):
     ttl_s: int = Field(3600, ge=1)  # default entry lifetime; a request may lower or raise it
     max_ttl_s: int = Field(7 * 86400, ge=1)  # upper bound on a request's `cache.ttl`
     max_entries_per_tenant: int = Field(10_000, ge=1)  # oldest-expiring entries are evicted past this
-    lru_size: int = Field(4096, ge=1)  # in-process backend: total entries across tenants
+    lru_size: int = Field(4096, ge=1)  # in-process store: total entries across tenants
     max_response_bytes: int = Field(256 * 1024, ge=1)  # larger responses are not stored
 
     semantic: bool = True

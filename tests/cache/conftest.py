@@ -1,5 +1,5 @@
 """Fixtures: real redis-server processes started by the tests, the real MiniLM embedder (loaded
-once), and caches over either backend with their own key prefix."""
+once), and caches over either store with their own key prefix."""
 
 from __future__ import annotations
 
@@ -58,4 +58,4 @@ async def make_cache(
     yield make
     for c in caches:
         await c.drain()
-        await c.backend.close()
+        await c.entries.close()

@@ -1,4 +1,4 @@
-"""ResponseCache over both backends (in-process and a real redis-server): tiers, scoping, guard,
+"""ResponseCache over both stores (in-process and a real redis-server): tiers, scoping, guard,
 controls, TTL and the per-tenant cap."""
 
 from __future__ import annotations

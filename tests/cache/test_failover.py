@@ -12,7 +12,6 @@ import redis.asyncio as aioredis
 
 from decoding.embedder import SentenceEmbedder
 from gateway.cache import CacheSettings, ResponseCache
-from gateway.cache.breaker import CircuitBreaker
 from tests.cache.test_cache import chat, get, put
 from tests.servers import RedisProcess
 
@@ -49,7 +48,7 @@ async def test_redis_stopped_then_restarted(own_redis: RedisProcess, embedder: S
     assert cache.breaker.state == "closed"
     assert await put(cache, chat("after"), "z")
     assert await get(cache, chat("after")) == "exact:z", "caching resumes on its own"
-    await cache.backend.close()
+    await cache.entries.close()
 
 
 async def test_redis_that_never_answers_times_out(embedder: SentenceEmbedder) -> None:
@@ -67,7 +66,7 @@ async def test_redis_that_never_answers_times_out(embedder: SentenceEmbedder) ->
     stored, took = await timed(put(cache, chat("anything"), "x"))
     assert stored is False and took < 0.3
     assert cache.breaker.state == "open"
-    await cache.backend.close()
+    await cache.entries.close()
     for w in held:
         w.close()
     server.close()
@@ -81,26 +80,7 @@ async def test_nothing_listening(embedder: SentenceEmbedder) -> None:
     cache = redis_cache(f"redis://127.0.0.1:{port}/0", embedder)
     assert await get(cache, chat("q")) is None
     assert not await put(cache, chat("q"), "x")
-    await cache.backend.close()
-
-
-def test_breaker_opens_half_opens_and_closes() -> None:
-    now = [0.0]
-    b = CircuitBreaker(failures=2, cooldown_s=1.0, clock=lambda: now[0])
-    assert b.allow()
-    b.failure()
-    assert b.state == "closed" and b.allow()
-    b.failure()
-    assert b.state == "open" and not b.allow()
-    now[0] = 1.0
-    assert b.allow() and b.state == "half_open", "one probe after the cooldown"
-    assert not b.allow(), "only one probe at a time"
-    b.failure()
-    assert b.state == "open" and not b.allow(), "a failed probe reopens for a full cooldown"
-    now[0] = 2.5
-    assert b.allow()
-    b.success()
-    assert b.state == "closed" and b.failures == 0 and b.times_opened == 1
+    await cache.entries.close()
 
 
 async def test_key_layout_and_entry_size(redis_server: RedisProcess, embedder: SentenceEmbedder) -> None:
@@ -126,7 +106,7 @@ async def test_key_layout_and_entry_size(redis_server: RedisProcess, embedder: S
         assert 0 < await client.ttl(k) <= cache.settings.ttl_s
     await client.delete(*keys)
     await client.aclose()
-    await cache.backend.close()
+    await cache.entries.close()
 
 
 async def test_lookup_reads_bounded_candidates(
@@ -142,7 +122,7 @@ async def test_lookup_reads_bounded_candidates(
     hit = await cache.lookup(q)
     assert hit is not None and hit.response.choices[0].text == "about regex"
     assert q.embedding is not None
-    cands = await cache.backend.candidates(
+    cands = await cache.entries.candidates(
         q.tenant_tag, cache._scope(q), cache.lsh.signatures(q.embedding), 8
     )
     assert len(cands) <= 16
@@ -150,4 +130,4 @@ async def test_lookup_reads_bounded_candidates(
     keys = [k async for k in client.scan_iter(f"{cache.settings.key_prefix}:*")]
     await client.delete(*keys)
     await client.aclose()
-    await cache.backend.close()
+    await cache.entries.close()

@@ -199,4 +199,4 @@ async def test_gateway_serves_through_a_dead_redis(
             .headers["x-specgate-cache"]
             .startswith("exact")
         )
-    await app.state.gateway.cache.cache.backend.close()
+    await app.state.gateway.cache.cache.entries.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cache.guard import Features, compatible, features
+from gateway.cache.guard import KeyTerms, compatible, key_terms
 from gateway.cache.query import build_query, parse_controls
 
 
@@ -80,15 +80,17 @@ def test_controls() -> None:
     assert not c.no_cache and c.no_store and c.ttl_s == 60
 
 
-def test_guard_features() -> None:
-    f = features("Isn't the `parse_args` result in Python 3.12 the largest, not five?")
+def test_guard_key_terms() -> None:
+    f = key_terms("Isn't the `parse_args` result in Python 3.12 the largest, not five?")
     assert f.negations == 2 and f.numbers == ("3.12", "5") and f.polarity == ("largest",)
     assert "`parse_args`" in f.names and "python" in f.names
-    assert compatible(features("List the top five tips."), features("Give me the top 5 tips."))
-    assert compatible(features("What is the capital of France?"), features("Which city is France's capital?"))
-    assert not compatible(features("What is X?"), features("What is not X?"))
-    assert not compatible(features("x < y"), features("x <= y"))
-    assert not compatible(features("Call getUser."), features("Call getUsers."))
+    assert compatible(key_terms("List the top five tips."), key_terms("Give me the top 5 tips."))
+    assert compatible(
+        key_terms("What is the capital of France?"), key_terms("Which city is France's capital?")
+    )
+    assert not compatible(key_terms("What is X?"), key_terms("What is not X?"))
+    assert not compatible(key_terms("x < y"), key_terms("x <= y"))
+    assert not compatible(key_terms("Call getUser."), key_terms("Call getUsers."))
 
 
 SWAPPED = [
@@ -113,21 +115,21 @@ REWORDED = [
 
 @pytest.mark.parametrize(("a", "b"), SWAPPED)
 def test_guard_refuses_swapped_arguments(a: str, b: str) -> None:
-    assert not compatible(features(a), features(b))
-    assert compatible(features(a), features(a))
+    assert not compatible(key_terms(a), key_terms(b))
+    assert compatible(key_terms(a), key_terms(a))
 
 
 @pytest.mark.parametrize(("a", "b"), REWORDED)
 def test_guard_keeps_paraphrases_that_keep_the_order(a: str, b: str) -> None:
-    assert compatible(features(a), features(b))
+    assert compatible(key_terms(a), key_terms(b))
 
 
-def test_guard_features_round_trip_and_old_entries() -> None:
-    f = features("Is Python faster than Java?")
+def test_guard_key_terms_round_trip_and_old_entries() -> None:
+    f = key_terms("Is Python faster than Java?")
     assert f.order == ("python", "java")
-    assert Features.from_json(f.to_json()) == f
-    old = Features.from_json(f.to_json()[:4])  # stored before argument order was kept
+    assert KeyTerms.from_json(f.to_json()) == f
+    old = KeyTerms.from_json(f.to_json()[:4])  # stored before argument order was kept
     assert old.order is None
     assert not compatible(old, f)  # two arguments it cannot check: no match
-    one = features("What is Python?")
-    assert compatible(Features.from_json(one.to_json()[:4]), one)
+    one = key_terms("What is Python?")
+    assert compatible(KeyTerms.from_json(one.to_json()[:4]), one)

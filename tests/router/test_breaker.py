@@ -53,3 +53,23 @@ def test_failed_probe_reopens_and_an_abandoned_probe_expires() -> None:
     assert not b.allow()
     clock.t = 30.0
     assert b.allow()  # the abandoned probe expired; a new one goes
+
+
+def test_on_change_hears_each_transition_once() -> None:
+    clock = Clock()
+    heard: list[BreakerState] = []
+    b = CircuitBreaker(2, 1.0, clock, on_change=heard.append, name="cache: Redis")
+    b.record_failure()
+    assert b.state == BreakerState.CLOSED and b.allow()
+    b.record_failure()
+    assert b.state == BreakerState.OPEN and not b.allow()
+    clock.t = 1.0
+    assert b.allow() and b.state == BreakerState.HALF_OPEN, "one probe after the cooldown"
+    assert not b.allow(), "only one probe at a time"
+    b.record_failure()
+    assert b.state == BreakerState.OPEN and not b.allow(), "a failed probe reopens for a full cooldown"
+    clock.t = 2.5
+    assert b.allow()
+    b.record_success()
+    assert b.state == BreakerState.CLOSED and b.times_opened == 1
+    assert heard == ["open", "half_open", "open", "half_open", "closed"]

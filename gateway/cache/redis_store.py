@@ -3,7 +3,7 @@
 Key layout; ``{t}`` is the tenant's hash tag, so a tenant's keys share one Redis Cluster slot and
 the multi-key transactions below stay legal on a cluster:
 
-    <prefix>:{t}:e:<exact key>                  hash  r=response blob, v=float16 vector, g=guard features
+    <prefix>:{t}:e:<exact key>                  hash  r=response blob, v=float16 vector, g=guard key terms
     <prefix>:{t}:idx                            zset  exact key -> expiry (unix s): the per-tenant cap
     <prefix>:{t}:b:<scope>:<band>:<bits>        zset  exact key -> expiry: one LSH bucket
 
@@ -29,8 +29,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from gateway.cache.backend import Candidate, SemanticPart, rank_by_collisions
-from gateway.cache.breaker import CircuitBreaker
+from gateway.cache.store import Candidate, SemanticPart, rank_by_collisions
+from router.breaker import CircuitBreaker
 
 T = TypeVar("T")
 
@@ -52,7 +52,7 @@ class CacheUnavailable(Exception):
     """Redis refused, timed out or the circuit is open; the request goes on uncached."""
 
 
-class RedisBackend:
+class RedisStore:
     def __init__(
         self,
         url: str,
@@ -80,9 +80,9 @@ class RedisBackend:
         except (RedisError, OSError, TimeoutError) as exc:
             if self.on_error is not None:
                 self.on_error(name)
-            self.breaker.failure()
+            self.breaker.record_failure()
             raise CacheUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        self.breaker.success()
+        self.breaker.record_success()
         return result
 
     async def get(self, tag: str, key: str) -> bytes | None:
@@ -126,7 +126,7 @@ class RedisBackend:
             pipe = self.client.pipeline(transaction=True)  # one slot (hash tag), so MULTI is cluster-safe
             fields: dict[str, bytes] = {"r": blob}
             if semantic is not None:
-                fields |= {"v": semantic.vector, "g": semantic.features}
+                fields |= {"v": semantic.vector, "g": semantic.key_terms}
             pipe.delete(entry)  # a re-store must not keep a stale vector from an earlier write
             pipe.hset(entry, mapping=fields)  # type: ignore[arg-type]
             pipe.expire(entry, ttl_s)

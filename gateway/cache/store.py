@@ -1,7 +1,7 @@
 """Where entries live: the interface both stores implement, and the in-process one.
 
 An entry is the response blob plus, when the request was semantic-eligible, its embedding (float16
-bytes) and guard features; semantic entries are also listed in one LSH bucket per band, within
+bytes) and guard key terms; semantic entries are also listed in one LSH bucket per band, within
 their scope. ``ttl_s`` bounds each entry; ``cap`` bounds each tenant's entry count (the entries
 closest to expiry go first).
 """
@@ -19,17 +19,17 @@ class SemanticPart:
     scope: str  # scope key plus the LSH fingerprint
     signatures: list[str]  # one bucket id per band
     vector: bytes  # float16
-    features: bytes  # guard features, JSON
+    key_terms: bytes  # the guard's key terms, JSON
 
 
 @dataclass(frozen=True)
 class Candidate:
     key: str
     vector: bytes
-    features: bytes
+    key_terms: bytes
 
 
-class Backend(Protocol):
+class CacheStore(Protocol):
     async def get(self, tag: str, key: str) -> bytes | None: ...
 
     async def candidates(
@@ -57,7 +57,7 @@ class _Entry:
     semantic: SemanticPart | None
 
 
-class MemoryBackend:
+class MemoryStore:
     """Bounded LRU in this process: the default when no Redis is configured. Same semantics as Redis
     (TTL, per-tenant cap, LSH buckets), minus sharing between processes."""
 
@@ -106,7 +106,7 @@ class MemoryBackend:
         for key in rank_by_collisions(hits, limit * 2):
             e = self._live(tag, key)
             if e is not None and e.semantic is not None:
-                out.append(Candidate(key, e.semantic.vector, e.semantic.features))
+                out.append(Candidate(key, e.semantic.vector, e.semantic.key_terms))
         return out
 
     async def put(

@@ -1,0 +1,126 @@
+"""The router's seam into serving: run a `router.policy.RouteDecision` on the local engine or an upstream.
+
+    serving._route ─▶ RoutingService.route(job, local) ─▶ Route(RoutedBackend, job, x-specgate-route)
+                      RoutedBackend.start: primary, then fallbacks, until one starts
+                        ├── LocalBackend   (job.model and job.spec set from the decision)
+                        └── RemoteBackend  (gateway/remote.py: an upstream through router.upstream)
+
+Fallback happens only inside `start`, before serving sends a byte; the `x-specgate-route` header
+then names the route that actually served.
+
+Observed (with the app's `Observability`): `observe_route` once per decision (the router's pick,
+before any fallback), `observe_fallback` per step down the chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from decoding.errors import EngineOverloaded, EngineStopped
+from gateway.backends import Backend, Generation, Job, Route
+from gateway.errors import unavailable
+from gateway.remote import RemoteBackend, api_error
+from gateway.settings import Settings
+from router.config import RouterSettings, TierSettings
+from router.policy import BackendKind, RouteDecision, Router
+from router.pool import UpstreamPool, first_available
+from router.upstream import UpstreamError, UpstreamUnavailable
+
+if TYPE_CHECKING:
+    from gateway.observability import Metrics, Observability
+
+log = logging.getLogger("specgate.router")
+
+
+class _Loading(Exception):
+    """The local engine is not loaded yet (a remote fallback may still serve)."""
+
+
+class RoutedBackend:
+    """One request's route: the decision's primary target, then its fallbacks."""
+
+    name = "routed"
+
+    def __init__(
+        self, attempts: list[tuple[RouteDecision, Backend | None, Job]], metrics: Metrics | None = None
+    ):
+        self.attempts = attempts
+        self.metrics = metrics
+        self.route: Route | None = None  # set by RoutingService; its label is rewritten on fallback
+
+    def model_ids(self) -> list[str]:
+        return [d.model for d, _, _ in self.attempts]
+
+    async def start(self, job: Job) -> Generation:
+        def opener(i: int, backend: Backend | None, j: Job) -> Any:
+            async def open_() -> Generation:
+                if i > 0 and self.metrics is not None:  # attempt i-1 failed before the first byte
+                    self.metrics.observe_fallback(self.attempts[i - 1][0].tier, self.attempts[i][0].tier)
+                if backend is None:
+                    raise _Loading("The models are still loading; retry shortly.")
+                return await backend.start(j)
+
+            return open_
+
+        try:
+            decision, gen = await first_available(
+                [(d, opener(i, b, j)) for i, (d, b, j) in enumerate(self.attempts)],
+                fallback_on=(UpstreamUnavailable, EngineOverloaded, EngineStopped, _Loading),
+            )
+        except UpstreamError as exc:
+            raise api_error(exc) from exc
+        except _Loading as exc:
+            raise unavailable(str(exc), 1, code="loading") from exc
+        if self.route is not None:
+            self.route.label = decision.header_value()  # the route that serves, after any fallback
+        return gen
+
+
+class RoutingService:
+    """`state.router`: built once at start from the gateway's settings."""
+
+    def __init__(self, settings: Settings, obs: Observability | None = None):
+        models = {m.name: m.draft for m in settings.models}
+        rs = settings.router
+        try:
+            self.router = Router(rs, upstreams=settings.upstreams, models=models)
+        except ValueError:
+            if "tiers" in rs.model_fields_set:
+                raise  # configured tiers that name unknown models or upstreams: refuse to start
+            # The default tiers name the default pair; with other models, `auto` serves the first one.
+            first = settings.models[0].name
+            log.info("router: default tiers need %s; routing `auto` to %s", sorted(models), first)
+            rs = rs.model_copy(update={"tiers": [TierSettings(name="default", model=first)]})
+            self.router = Router(RouterSettings.model_validate(rs.model_dump()), settings.upstreams, models)
+        self.metrics = obs.metrics if obs is not None else None
+        instrument = obs.tracing.instrument_httpx if obs is not None else None
+        self.pool = UpstreamPool(self.router.upstreams.values(), metrics=self.metrics, instrument=instrument)
+        self.remotes = {name: RemoteBackend(client) for name, client in self.pool.clients.items()}
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    def _job(self, job: Job, d: RouteDecision) -> Job:
+        if d.backend == BackendKind.REMOTE:
+            return dataclasses.replace(job, model=d.model)
+        # replace() keeps what the gateway decided about the spec (adaptive=False for seeded sampling)
+        return dataclasses.replace(
+            job, model=d.model, spec=dataclasses.replace(job.spec, mode=d.strategy, max_k=d.max_k)
+        )
+
+    async def route(self, job: Job, local: Backend | None) -> Route:
+        messages = job.messages if job.kind == "chat" else None
+        prompt = None if job.kind == "chat" else " ".join(p for p in job.prompts or [] if isinstance(p, str))
+        override = {"mode": job.spec.mode.value, "max_k": job.spec.max_k}  # AUTO: the router's pick
+        d = self.router.route(job.model, messages, prompt, job.max_tokens, job.temperature, override)
+        if self.metrics is not None:
+            self.metrics.observe_route(d.tier, d.strategy.value, d.elapsed_us / 1e6)
+        attempts: list[tuple[RouteDecision, Backend | None, Job]] = [
+            (x, self.remotes[x.upstream] if x.upstream is not None else local, self._job(job, x))
+            for x in (d, *d.fallbacks)
+        ]
+        backend = RoutedBackend(attempts, self.metrics)
+        backend.route = Route(backend, attempts[0][2], d.header_value())
+        return backend.route
