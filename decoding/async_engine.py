@@ -1,5 +1,6 @@
-"""The engine as the gateway sees it: ``generate(request)`` yields one ``StepOutput`` per
-verification step, ``abort(request_id)`` stops a request within one step.
+"""The local engine behind ``decoding.client.EngineClient``: ``submit(request)`` refuses at once or
+returns the request's steps, one ``StepOutput`` per verification step; closing them stops the
+request within one step.
 
 Model work runs on one worker thread (torch releases the GIL inside kernels, so the event loop stays
 responsive). Continuous batching: requests join and leave between steps, and each step is one forward
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from decoding.engine import Engine, Sequence
 from decoding.errors import EngineOverloaded, EngineStopped, NoFreeSlot
@@ -35,6 +37,43 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[StepOutput]
     submitted: float
+
+
+class Steps:
+    """One submitted request's steps (a ``decoding.client.StepStream``). Leaving before the last
+    step, by ``aclose`` or by a cancelled wait, aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, pending: _Pending):
+        self._engine = engine
+        self._pending = pending
+        self._done = False
+
+    def __aiter__(self) -> Steps:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._pending.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if out.finish_reason is not None:
+            self._done = True
+        return out
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._abort(self._pending)
+
+    def __del__(self) -> None:
+        # Dropped unclosed: abort on the request's own loop. Never take the engine's lock here: a
+        # collection can run on the worker thread while it holds that lock.
+        if not self._done:
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                self._pending.loop.call_soon_threadsafe(self._engine._abort, self._pending)
 
 
 class AsyncEngine:
@@ -74,11 +113,15 @@ class AsyncEngine:
     def total_steps(self) -> int:
         return self.engine.total_steps
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
-        """Validate (raising before any work), queue, then yield steps until one has a finish_reason.
+    def tokenizer(self, model: str) -> Any:
+        return self.engine.model(model).tokenizer
 
-        Leaving the iterator early (client gone, stop string matched) aborts the request.
-        """
+    def max_context(self, model: str) -> int:
+        return self.engine.model(model).max_context
+
+    def submit(self, request: GenerationRequest) -> Steps:
+        """Validate and queue the request, or raise before any work (``decoding.client``); then its
+        steps, until one has a finish_reason. Closing them early aborts the request."""
         self.engine.check(request)
         pending = _Pending(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         with self._lock:
@@ -88,18 +131,17 @@ class AsyncEngine:
                 raise EngineOverloaded(len(self._inbox))
             self._inbox.append(pending)
             self._wake.notify()
-        finished = False
+        return Steps(self, pending)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        """``submit`` as one async generator (tests, benchmarks): a refusal is raised by the first
+        ``__anext__``, and leaving the generator early aborts the request."""
+        steps = self.submit(request)
         try:
-            while True:
-                out = await pending.queue.get()
-                if out.finish_reason is not None:
-                    finished = True
+            async for out in steps:
                 yield out
-                if finished:
-                    return
         finally:
-            if not finished:
-                self._abort(pending)
+            await steps.aclose()
 
     def _abort(self, pending: _Pending) -> None:
         with self._lock:

@@ -180,7 +180,9 @@ class Engine:
         return Shaping(bias, constraint)
 
     def start(self, request: GenerationRequest) -> Sequence:
-        target = self.check(request)
+        """A checked request's sequence (``check`` runs where a request enters: ``AsyncEngine.submit``,
+        ``generate``)."""
+        target = self.model(request.model)
         device = target.device
         generator = torch.Generator(device=device)
         if request.params.seed is not None:
@@ -531,6 +533,7 @@ class Engine:
 
     def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:
         """Run one request to the end (CLI, benchmarks, tests)."""
+        self.check(request)
         seq = self.start(request)
         try:
             out: list[int] = []

@@ -1,6 +1,6 @@
 """The Starlette application: routes, the gateway middleware, error handlers, model loading.
 
-``create_app(settings, engine)`` serves an already-built ``AsyncEngine`` (tests); with
+``create_app(settings, engine)`` serves an already-built ``EngineClient`` (tests); with
 ``load_engine`` instead it starts answering at once (``/ready`` false) and loads models on a thread.
 """
 
@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from decoding.async_engine import AsyncEngine
+from decoding.client import EngineClient
 from gateway import protocol, serving
 from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, error_response, to_api_error, unavailable
@@ -287,8 +287,8 @@ def rate_limiter(settings: Settings, metrics: Metrics) -> RateLimiter:
 
 def create_app(
     settings: Settings,
-    engine: AsyncEngine | None = None,
-    load_engine: Callable[[], AsyncEngine] | None = None,
+    engine: EngineClient | None = None,
+    load_engine: Callable[[], EngineClient] | None = None,
     observability: Observability | None = None,
 ) -> Starlette:
     """The app serving ``engine``, or the one ``load_engine`` builds (on a thread, after start).
@@ -314,8 +314,7 @@ def create_app(
         settings.cache, metrics=obs.metrics, tracer=obs.tracing.tracer
     )
     if engine is not None:
-        # the observing proxy has AsyncEngine's interface (duck-typed, not a subclass)
-        state.backend = LocalBackend(obs.observe_engine(engine), settings.limits.default_max_tokens)  # type: ignore[arg-type]
+        state.backend = LocalBackend(obs.observe_engine(engine), settings.limits.default_max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -362,7 +361,7 @@ def create_app(
     return app
 
 
-async def _load(app: Starlette, state: GatewayState, load_engine: Callable[[], AsyncEngine]) -> None:
+async def _load(app: Starlette, state: GatewayState, load_engine: Callable[[], EngineClient]) -> None:
     try:
         engine = await asyncio.to_thread(load_engine)
     except Exception:

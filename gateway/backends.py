@@ -1,7 +1,7 @@
 """What serving talks to: a ``Backend`` turns a backend-neutral ``Job`` into text deltas.
 
     serving.py  (HTTP shapes, SSE)  ──Job──▶  Backend.start(job) ──▶ Generation (async iterator of Delta)
-                                             ├── LocalBackend   (gateway/local.py: AsyncEngine on this box)
+                                             ├── LocalBackend   (gateway/local.py: the EngineClient on this box)
                                              └── remote backends (router/: OpenAI-compatible upstreams)
 
 ``start`` does every check that can refuse the job (unknown model, prompt too long, overload) and

@@ -1,21 +1,22 @@
-"""The local backend: chat template -> token ids -> ``AsyncEngine`` -> safe text.
+"""The local backend: chat template -> token ids -> ``EngineClient`` -> safe text.
 
-Each choice runs in its own pump task (an engine request of its own; seeded ``seed + j`` so n seeded
-choices differ yet repeat). The engine knows a choice by an id generated here, never by the client's
-``x-request-id``: that one is only a label, and two requests may carry the same one (by accident, or
-one tenant reusing another's) without colliding in the engine or aborting each other, and the pumps feed one queue that ``Generation`` iterates. Closing the
-generation cancels the pumps, which leaves each engine iterator and so aborts the engine request
-within one step (the disconnect path, streaming or not).
+Every choice is submitted in ``start`` (an engine request of its own; seeded ``seed + j`` so n seeded
+choices differ yet repeat), so a refusal is raised there, before serving sends anything. The engine
+knows a choice by an id generated here, never by the client's ``x-request-id``: that one is only a
+label, and two requests may carry the same one (by accident, or one tenant reusing another's) without
+colliding in the engine or aborting each other. Each choice's steps run in a pump task, and the pumps
+feed one queue that ``Generation`` iterates. Closing the generation cancels the pumps and closes every
+choice's stream, which aborts its engine request within one step (the disconnect path, streaming or
+not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
-from decoding.async_engine import AsyncEngine
+from decoding.client import EngineClient, StepStream, Tokenizer
 from decoding.errors import EngineStopped
 from decoding.params import FinishReason, GenerationRequest, RequestStats, SamplingParams, StepOutput
 from gateway.backends import Delta, Generation, Job, LogprobEntry
@@ -29,17 +30,14 @@ _DONE = object()  # a pump finished its choice
 class LocalBackend:
     name = "local"
 
-    def __init__(self, engine: AsyncEngine, default_max_tokens: int = 512):
+    def __init__(self, engine: EngineClient, default_max_tokens: int = 512):
         self.engine = engine
         self.default_max_tokens = default_max_tokens
 
     def model_ids(self) -> list[str]:
         return self.engine.model_names
 
-    def tokenizer(self, model: str) -> Any:
-        return self.engine.engine.model(model).tokenizer  # raises UnknownModel
-
-    def _prompts(self, job: Job, tok: Any) -> list[tuple[list[int], str]]:
+    def _prompts(self, job: Job, tok: Tokenizer) -> list[tuple[list[int], str]]:
         """(token ids, text) per prompt; text is what ``echo`` sends back."""
         if job.kind == "chat":
             enc = tok.apply_chat_template(
@@ -67,14 +65,14 @@ class LocalBackend:
         return out
 
     def _requests(self, job: Job, prompts: list[tuple[list[int], str]]) -> list[GenerationRequest]:
-        context = self.engine.engine.model(job.model).max_context
+        context = self.engine.max_context(job.model)
         bias = tuple((int(t), b) for t, b in (job.logit_bias or {}).items())
         grammar = grammar_for(
             job.response_format, job.tools, job.tool_choice, job.parallel_tool_calls is not False
         )
         prediction = None
         if job.prediction is not None:
-            tok = self.tokenizer(job.model)
+            tok = self.engine.tokenizer(job.model)
             prediction = tuple(tok.encode(job.prediction, add_special_tokens=False))
         reqs = []
         for ids, _ in prompts:
@@ -106,43 +104,38 @@ class LocalBackend:
         return reqs
 
     async def start(self, job: Job) -> Generation:
-        tok = self.tokenizer(job.model)
+        tok = self.engine.tokenizer(job.model)  # raises UnknownModel
         # The chat template (jinja, in Python) and tokenizing a long prompt take milliseconds to
         # tens of them: off the event loop, so other requests' streams keep flowing meanwhile.
         prompts = await asyncio.to_thread(self._prompts, job, tok)
         reqs = self._requests(job, prompts)
-        for r in reqs:
-            self.engine.engine.check(r)  # unknown model, empty or too long prompt: before any work
-        iters = [self.engine.generate(r) for r in reqs]
-        firsts = [asyncio.ensure_future(it.__anext__()) for it in iters]
-        # One loop turn runs each first __anext__ up to its wait for the first step: by then it has
-        # queued its request or raised (overload, shutdown), so refusals stay plain HTTP errors.
-        await asyncio.sleep(0)
-        failed = next((f.exception() for f in firsts if f.done() and f.exception() is not None), None)
-        if failed is not None:
-            for f, it in zip(firsts, iters, strict=True):
-                await _close(f, it)
-            raise failed
+        streams: list[StepStream] = []
+        try:
+            for r in reqs:  # a refusal (unknown model, prompt too long, overload, shutdown) raises here
+                streams.append(self.engine.submit(r))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
         stats: list[RequestStats] = []
         gen = Generation(prompt_tokens=sum(len(ids) for ids, _ in prompts), deltas=_empty())
         gen.prompt_texts = [text for _, text in prompts]
-        gen.deltas = self._merge(job, tok, reqs, iters, firsts, stats, gen)
+        gen.deltas = _Closing(self._merge(job, tok, reqs, streams, stats, gen), streams)
         return gen
 
     async def _merge(
         self,
         job: Job,
-        tok: Any,
+        tok: Tokenizer,
         reqs: list[GenerationRequest],
-        iters: list[AsyncIterator[StepOutput]],
-        firsts: Sequence[asyncio.Future[StepOutput]],
+        streams: list[StepStream],
         stats: list[RequestStats],
         gen: Generation,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         queue: asyncio.Queue[object] = asyncio.Queue()
         pumps = [
-            asyncio.ensure_future(self._pump(i, job, tok, r, it, f, queue, stats))
-            for i, (r, it, f) in enumerate(zip(reqs, iters, firsts, strict=True))
+            asyncio.ensure_future(self._pump(i, job, tok, r, steps, queue, stats))
+            for i, (r, steps) in enumerate(zip(reqs, streams, strict=True))
         ]
         try:
             remaining = len(pumps)
@@ -165,10 +158,9 @@ class LocalBackend:
         self,
         index: int,
         job: Job,
-        tok: Any,
+        tok: Tokenizer,
         req: GenerationRequest,
-        steps: AsyncIterator[StepOutput],
-        first: asyncio.Future[StepOutput],
+        steps: StepStream,
         queue: asyncio.Queue[object],
         stats: list[RequestStats],
     ) -> None:
@@ -177,7 +169,7 @@ class LocalBackend:
         calls = ToolCallParser() if job.calls_tools else None  # <tool_call> text -> tool_calls deltas
         seen = RequestStats(prompt_tokens=len(req.prompt_token_ids))
         try:
-            step = await first
+            step = await steps.__anext__()
             while True:
                 _observe(seen, step)
                 finish: str | None = None
@@ -228,7 +220,7 @@ class LocalBackend:
         except Exception as exc:
             queue.put_nowait(exc)
         finally:
-            await _close(first, steps)
+            await steps.aclose()
             queue.put_nowait(_DONE)
 
 
@@ -237,16 +229,26 @@ async def _empty() -> AsyncIterator[Delta]:
     yield
 
 
-async def _close(first: asyncio.Future[StepOutput], it: AsyncIterator[StepOutput]) -> None:
-    """Leave an engine iterator (aborting its request), also when its first step is still pending."""
-    if not first.done():
-        first.cancel()
-        await asyncio.wait({first})
-    if first.done() and not first.cancelled():
-        first.exception()  # mark retrieved: a refusal already reported elsewhere
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        await aclose()
+class _Closing:
+    """The merged deltas; closing them also closes every choice's stream, even when the merge never
+    started (an async generator that never ran skips its ``finally``)."""
+
+    def __init__(self, deltas: AsyncGenerator[Delta, None], streams: list[StepStream]):
+        self._deltas = deltas
+        self._streams = streams
+
+    def __aiter__(self) -> _Closing:
+        return self
+
+    def __anext__(self) -> Awaitable[Delta]:
+        return self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._deltas.aclose()
+        finally:
+            for s in self._streams:
+                await s.aclose()
 
 
 def _observe(stats: RequestStats, step: StepOutput) -> None:
@@ -281,7 +283,7 @@ def merge_stats(parts: list[RequestStats]) -> RequestStats:
     return out
 
 
-def _logprobs(tok: Any, step: StepOutput, used: int) -> list[LogprobEntry] | None:
+def _logprobs(tok: Tokenizer, step: StepOutput, used: int) -> list[LogprobEntry] | None:
     if step.logprobs is None:
         return None
 

@@ -31,6 +31,7 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from decoding.client import EngineClient
 from gateway.app import create_app
 from gateway.serving import GatewayState
 from gateway.settings import Settings, SettingsError, load_settings
@@ -150,7 +151,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _build_engine(settings: Settings) -> Any:
+def _build_engine(settings: Settings) -> EngineClient:
+    # decoding's engine imports torch: only here, where the server builds it
     from decoding.async_engine import AsyncEngine
     from decoding.engine import Engine
     from decoding.loader import ModelSpec, load_all

@@ -1,16 +1,16 @@
-"""Prometheus metrics, OpenTelemetry traces and request logs (issue 6).
+"""Prometheus metrics, OpenTelemetry traces and request logs.
 
 One ``Observability`` object per app holds the three and is wired in at three seams:
 
 - ``obs.install(app)``: the ASGI middleware (opentelemetry-instrumentation-asgi's server span,
   continuing an incoming ``traceparent``, around our ``ObservabilityMiddleware``) plus the
   ``/metrics`` and ``/dashboard`` routes;
-- ``obs.observe_engine(engine)``: the ``AsyncEngine`` proxy that observes every step;
+- ``obs.observe_engine(engine)``: the ``EngineClient`` around the engine that observes every step;
 - ``obs.metrics.observe_*`` / ``obs.tracing.span(...)`` / ``current_request()`` for the cache, the
   router and the upstream client, each calling one method per event.
 
 Module map: ``metrics`` (registry and methods), ``tracing`` (provider from ``OTEL_*``, helpers),
-``record`` (the per-request record), ``middleware``, ``engine`` (the proxy), ``logs`` (the line),
+``record`` (the per-request record), ``middleware``, ``engine`` (the observed engine client), ``logs`` (the line),
 ``routes`` (/metrics and /dashboard).
 """
 
@@ -31,7 +31,7 @@ from gateway.observability.tracing import Tracing, provider_from_env
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from decoding.async_engine import AsyncEngine
+    from decoding.client import EngineClient
     from gateway.observability.engine import ObservedEngine
 
 __all__ = [
@@ -91,7 +91,7 @@ class Observability:
             if route.path not in taken:  # an app may serve /metrics itself, from our registry
                 app.router.routes.append(route)
 
-    def observe_engine(self, engine: AsyncEngine) -> ObservedEngine:
+    def observe_engine(self, engine: EngineClient) -> ObservedEngine:
         from gateway.observability.engine import ObservedEngine
 
         return ObservedEngine(engine, self)

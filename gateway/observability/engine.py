@@ -1,41 +1,48 @@
-"""``ObservedEngine``: the ``AsyncEngine`` as the gateway sees it, with every step observed.
+"""``ObservedEngine``: an ``EngineClient`` around another, with every step observed.
 
-It is a drop-in proxy (``generate``, ``abort``, ``engine``, ``queue_depth``, ... pass through), so
-the gateway wires observability into local generation with one line and no change to its loop.
-Per step it feeds the speculation metrics; per generation it records the GenAI span and its
-``specgate.queue`` / ``specgate.prefill`` / ``specgate.decode`` children (timed on the engine
-thread, so recorded after the fact with explicit timestamps) and fills the request record.
+It implements ``decoding.client.EngineClient`` by delegating to the engine it wraps, so the gateway
+wires observability into local generation with one line and no change to its loop. Per step it
+feeds the speculation metrics; per generation it records the GenAI span and its ``specgate.queue`` /
+``specgate.prefill`` / ``specgate.decode`` children (timed on the engine thread, so recorded after
+the fact with explicit timestamps) and fills the request record. A refusal by ``submit`` gets its
+span too, marked with the error.
 
-The spans are started with an explicit parent and never made current: an async generator runs in
-its consumer's context, and attaching a span across a ``yield`` would leak it into the handler.
+The spans are started with an explicit parent and never made current: a stream is iterated in its
+consumer's context, and attaching a span across the consumer's awaits would leak it into the handler.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from decoding.client import EngineClient, StepStream, Tokenizer
 from decoding.params import GenerationRequest, RequestStats, StepOutput
 from gateway.observability import tracing as tr
-from gateway.observability.record import current_request
+from gateway.observability.record import RequestRecord, current_request
 
 if TYPE_CHECKING:
-    from decoding.async_engine import AsyncEngine
     from gateway.observability import Observability
 
 
 class ObservedEngine:
-    def __init__(self, inner: AsyncEngine, obs: Observability):
+    def __init__(self, inner: EngineClient, obs: Observability):
         self._inner = inner
         self._obs = obs
         obs.metrics.bind_engine(inner)
 
-    def __getattr__(self, name: str) -> Any:  # engine, queue_depth, active, abort, shutdown, ...
-        return getattr(self._inner, name)
+    @property
+    def model_names(self) -> list[str]:
+        return self._inner.model_names
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        return self._inner.tokenizer(model)
+
+    def max_context(self, model: str) -> int:
+        return self._inner.max_context(model)
 
     @property
     def queue_depth(self) -> int:
@@ -45,7 +52,10 @@ class ObservedEngine:
     def active(self) -> int:
         return self._inner.active
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._inner.shutdown(timeout)
+
+    def submit(self, request: GenerationRequest) -> StepStream:
         obs, rec = self._obs, current_request()
         model, p = request.model, request.params
         parent = otel_context.get_current()
@@ -74,38 +84,20 @@ class ObservedEngine:
                 "specgate.spec.max_k": request.spec.max_k,
             },
         )
-        first: float | None = None
-        stats: RequestStats | None = None
-        finish: str | None = None
-        n_tokens = 0
+        observed = _ObservedSteps(self, span, rec, model, parent, t0, t0_ns)
+        if rec is not None:
+            rec.phase = "queued"
         try:
-            if rec is not None:
-                rec.phase = "queued"
-            async for step in self._inner.generate(request):
-                obs.metrics.observe_step(model, step)
-                if step.token_ids:
-                    n_tokens += len(step.token_ids)
-                    if first is None:
-                        first = time.perf_counter()
-                        if rec is not None:
-                            rec.mark_first_token()
-                            rec.phase = "decode"
-                if step.finish_reason is not None:
-                    finish, stats = step.finish_reason.value, step.stats
-                    if step.error:
-                        tr.set_error(span, "engine_error")
-                yield step
+            observed.steps = self._inner.submit(request)
         except BaseException as exc:
-            if finish is None:
-                tr.set_error(span, type(exc).__name__)
+            observed.fail(type(exc).__name__)
             raise
-        finally:
-            self._close(span, rec, model, parent, t0, t0_ns, first, stats, finish, n_tokens)
+        return observed
 
     def _close(
         self,
         span: trace.Span,
-        rec: Any,
+        rec: RequestRecord | None,
         model: str,
         parent: otel_context.Context,
         t0: float,
@@ -157,6 +149,91 @@ class ObservedEngine:
             attrs["specgate.left_early"] = True
         span.set_attributes(attrs)
         span.end(end_time=at(t_end))
+
+
+class _ObservedSteps:
+    """The wrapped engine's steps, observed as they pass; the span ends with the stream (its last
+    step, an error, or ``aclose``)."""
+
+    def __init__(
+        self,
+        engine: ObservedEngine,
+        span: trace.Span,
+        rec: RequestRecord | None,
+        model: str,
+        parent: otel_context.Context,
+        t0: float,
+        t0_ns: int,
+    ):
+        self.steps: StepStream | None = None  # set once the wrapped engine accepted the request
+        self._engine, self._span, self._rec, self._model = engine, span, rec, model
+        self._parent, self._t0, self._t0_ns = parent, t0, t0_ns
+        self._first: float | None = None
+        self._stats: RequestStats | None = None
+        self._finish: str | None = None
+        self._n_tokens = 0
+        self._ended = False
+
+    def __aiter__(self) -> _ObservedSteps:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._ended or self.steps is None:
+            raise StopAsyncIteration
+        try:
+            step = await self.steps.__anext__()
+        except StopAsyncIteration:
+            self._end()
+            raise
+        except BaseException as exc:
+            self.fail(type(exc).__name__)
+            raise
+        self._engine._obs.metrics.observe_step(self._model, step)
+        if step.token_ids:
+            self._n_tokens += len(step.token_ids)
+            if self._first is None:
+                self._first = time.perf_counter()
+                if self._rec is not None:
+                    self._rec.mark_first_token()
+                    self._rec.phase = "decode"
+        if step.finish_reason is not None:
+            self._finish, self._stats = step.finish_reason.value, step.stats
+            if step.error:
+                tr.set_error(self._span, "engine_error")
+        return step
+
+    async def aclose(self) -> None:
+        if self._ended:
+            return
+        if self._finish is None:
+            tr.set_error(self._span, "GeneratorExit")  # the consumer left before the last step
+        try:
+            if self.steps is not None:
+                await self.steps.aclose()
+        finally:
+            self._end()
+
+    def fail(self, kind: str) -> None:
+        """The request was refused, or its stream raised: the span ends marked with ``kind``."""
+        if self._finish is None:
+            tr.set_error(self._span, kind)
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._engine._close(
+                self._span,
+                self._rec,
+                self._model,
+                self._parent,
+                self._t0,
+                self._t0_ns,
+                self._first,
+                self._stats,
+                self._finish,
+                self._n_tokens,
+            )
 
 
 def _spec_attrs(stats: RequestStats) -> dict[str, Any]:

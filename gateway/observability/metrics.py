@@ -67,7 +67,7 @@ def route_label(path: str) -> str:
 
 
 class EngineGauges(Protocol):
-    """What the queue-depth and in-flight gauges read (``decoding.async_engine.AsyncEngine``)."""
+    """What the queue-depth and in-flight gauges read (any ``decoding.client.EngineClient``)."""
 
     @property
     def queue_depth(self) -> int: ...

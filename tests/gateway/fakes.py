@@ -1,9 +1,9 @@
-"""A scripted engine with the AsyncEngine surface the gateway uses, on the tiny byte-level tokenizer."""
+"""A scripted ``EngineClient`` on the tiny byte-level tokenizer."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +28,6 @@ class FakeCore:
             raise UnknownModel(name, sorted(self.models))
         return self.models[name]
 
-    def check(self, request: GenerationRequest) -> FakeModel:
-        return self.model(request.model)
-
 
 @dataclass
 class ScriptedEngine:
@@ -48,21 +45,29 @@ class ScriptedEngine:
     def model_names(self) -> list[str]:
         return sorted(self.engine.models)
 
+    def tokenizer(self, model: str) -> Any:
+        return self.engine.model(model).tokenizer
+
+    def max_context(self, model: str) -> int:
+        return self.engine.model(model).max_context
+
     @property
-    def queue_depth(self) -> int:  # the engine gauges /metrics reads
+    def queue_depth(self) -> int:
         return 0
 
     @property
     def active(self) -> int:
         return 0
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.models["fake"].tokenizer
+    def shutdown(self, timeout: float = 5.0) -> None:
+        pass
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
-        self.engine.check(request)
+    def submit(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
+        self.engine.model(request.model)  # the refusal comes from submit itself
         self.requests.append(request)
+        return self._steps(request)
+
+    async def _steps(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
         stats = RequestStats(prompt_tokens=len(request.prompt_token_ids), drafter="scripted")
         for i, ids in enumerate(self.script):
             await asyncio.sleep(self.delay)

@@ -183,7 +183,7 @@ async def test_overload_is_an_immediate_503(tiny_models: Any) -> None:
 
 
 async def test_prompts_are_tokenised_off_the_event_loop(tiny_engine: AsyncEngine, monkeypatch: Any) -> None:
-    tok = tiny_engine.engine.model("tiny").tokenizer
+    tok = tiny_engine.tokenizer("tiny")
     threads: list[int] = []
     real = tok.apply_chat_template
 

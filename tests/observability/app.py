@@ -43,8 +43,12 @@ def make_app(obs: Observability, engine: object, upstream: httpx.AsyncClient | N
             obs.metrics.observe_cache("exact", "miss", 0.0001)
         with obs.tracing.span("specgate.route", {"specgate.route.tier": "large"}):
             obs.metrics.observe_route("large", "draft", 0.0001)
-        async for step in observed.generate(gen):
-            tokens.extend(step.token_ids)
+        steps = observed.submit(gen)
+        try:
+            async for step in steps:
+                tokens.extend(step.token_ids)
+        finally:
+            await steps.aclose()
         completion = body.get("completion_text", "")
         current_request().set_content(completion=completion)  # type: ignore[union-attr]
         if upstream is not None:
@@ -78,6 +82,10 @@ def _install(obs: Observability, routes: list[Route]) -> Starlette:
 
 
 async def _sse(observed: object, gen: GenerationRequest) -> AsyncIterator[bytes]:
-    async for step in observed.generate(gen):  # type: ignore[attr-defined]
-        yield f"data: {json.dumps({'tokens': step.token_ids})}\n\n".encode()
+    steps = observed.submit(gen)  # type: ignore[attr-defined]
+    try:
+        async for step in steps:
+            yield f"data: {json.dumps({'tokens': step.token_ids})}\n\n".encode()
+    finally:
+        await steps.aclose()
     yield b"data: [DONE]\n\n"

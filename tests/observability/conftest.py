@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +48,10 @@ class ScriptedEngine:
     delay: float = 0.0
     aborted: list[str] = field(default_factory=list)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+    def submit(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
+        return self._steps(request)
+
+    async def _steps(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
         stats = RequestStats(
             prompt_tokens=len(request.prompt_token_ids),
             drafter="draft-model",
@@ -79,9 +82,6 @@ class ScriptedEngine:
         finally:  # like AsyncEngine: leaving early (closed or cancelled) aborts
             if not finished:
                 self.aborted.append(request.request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
 
 
 # ---- a real `specgate serve` on tiny random models (integration and dashboard tests) -------------
