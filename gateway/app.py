@@ -301,15 +301,14 @@ def create_app(
         + ["auto", settings.router.default_alias]
         + [name for u in settings.upstreams for name in (u.name, u.model)]
     )
+    routing = RoutingService(settings, obs)  # router/: tiers, strategy, upstreams; raises on bad config
     state = GatewayState(
         settings=settings,
         limiter=rate_limiter(settings, obs.metrics),
         registry=obs.metrics.registry,
+        router=routing,
         metrics=obs.metrics,
     )
-    state.router = routing = RoutingService(
-        settings, obs
-    )  # router/: tiers, strategy, upstreams; raises on bad config
     state.cache = GatewayCache.from_settings(  # in-process, or Redis when configured
         settings.cache, metrics=obs.metrics, tracer=obs.tracing.tracer
     )

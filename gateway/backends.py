@@ -115,15 +115,6 @@ class Backend(Protocol):
     async def start(self, job: Job) -> Generation: ...
 
 
-@dataclass
-class Route:
-    """Where a job runs. The router (router/) returns one; without a router every job is local."""
-
-    backend: Backend
-    job: Job  # possibly rewritten by the router (model resolved, speculation strategy chosen)
-    label: str  # the x-specgate-route header value, e.g. "local:qwen2.5-coder-1.5b"
-
-
 class CacheLookup(Protocol):
     @property
     def header(self) -> str: ...  # x-specgate-cache: "exact; similarity=1.0000", "semantic; ...", "miss"

@@ -1,7 +1,7 @@
 """The router's seam into serving: run a `router.policy.RouteDecision` on the local engine or an upstream.
 
-    serving._route ─▶ RoutingService.route(job, local) ─▶ Route(RoutedBackend, job, x-specgate-route)
-                      RoutedBackend.start: primary, then fallbacks, until one starts
+    serving ─▶ RoutingService.route(job, local) ─▶ Route: the router's pick (job, x-specgate-route)
+               Route.start(): primary, then fallbacks, until one starts ─▶ (decision that served, Generation)
                         ├── LocalBackend   (job.model and job.spec set from the decision)
                         └── RemoteBackend  (gateway/remote.py: an upstream through router.upstream)
 
@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from decoding.errors import EngineOverloaded, EngineStopped
-from gateway.backends import Backend, Generation, Job, Route
+from gateway.backends import Backend, Generation, Job
 from gateway.errors import unavailable
 from gateway.remote import RemoteBackend, api_error
 from gateway.settings import Settings
@@ -38,22 +38,19 @@ class _Loading(Exception):
     """The local engine is not loaded yet (a remote fallback may still serve)."""
 
 
-class RoutedBackend:
-    """One request's route: the decision's primary target, then its fallbacks."""
-
-    name = "routed"
+class Route:
+    """One request's route: the router's decision, then its fallbacks. ``job`` and ``label`` are the
+    router's pick; ``start`` returns the decision that actually served, after any fallback."""
 
     def __init__(
         self, attempts: list[tuple[RouteDecision, Backend | None, Job]], metrics: Metrics | None = None
     ):
         self.attempts = attempts
         self.metrics = metrics
-        self.route: Route | None = None  # set by RoutingService; its label is rewritten on fallback
+        self.job = attempts[0][2]  # model resolved, speculation strategy chosen
+        self.label = attempts[0][0].header_value()  # the x-specgate-route header
 
-    def model_ids(self) -> list[str]:
-        return [d.model for d, _, _ in self.attempts]
-
-    async def start(self, job: Job) -> Generation:
+    async def start(self) -> tuple[RouteDecision, Generation]:
         def opener(i: int, backend: Backend | None, j: Job) -> Any:
             async def open_() -> Generation:
                 if i > 0 and self.metrics is not None:  # attempt i-1 failed before the first byte
@@ -65,7 +62,7 @@ class RoutedBackend:
             return open_
 
         try:
-            decision, gen = await first_available(
+            return await first_available(
                 [(d, opener(i, b, j)) for i, (d, b, j) in enumerate(self.attempts)],
                 fallback_on=(UpstreamUnavailable, EngineOverloaded, EngineStopped, _Loading),
             )
@@ -73,9 +70,6 @@ class RoutedBackend:
             raise api_error(exc) from exc
         except _Loading as exc:
             raise unavailable(str(exc), 1, code="loading") from exc
-        if self.route is not None:
-            self.route.label = decision.header_value()  # the route that serves, after any fallback
-        return gen
 
 
 class RoutingService:
@@ -105,22 +99,16 @@ class RoutingService:
     def _job(self, job: Job, d: RouteDecision) -> Job:
         if d.backend == BackendKind.REMOTE:
             return dataclasses.replace(job, model=d.model)
-        # replace() keeps what the gateway decided about the spec (adaptive=False for seeded sampling)
-        return dataclasses.replace(
-            job, model=d.model, spec=dataclasses.replace(job.spec, mode=d.strategy, max_k=d.max_k)
-        )
+        return dataclasses.replace(job, model=d.model, spec=d.spec_params(job.spec))
 
     async def route(self, job: Job, local: Backend | None) -> Route:
         messages = job.messages if job.kind == "chat" else None
         prompt = None if job.kind == "chat" else " ".join(p for p in job.prompts or [] if isinstance(p, str))
-        override = {"mode": job.spec.mode.value, "max_k": job.spec.max_k}  # AUTO: the router's pick
-        d = self.router.route(job.model, messages, prompt, job.max_tokens, job.temperature, override)
+        d = self.router.route(job.model, messages, prompt, job.max_tokens, job.temperature, job.spec)
         if self.metrics is not None:
             self.metrics.observe_route(d.tier, d.strategy.value, d.elapsed_us / 1e6)
         attempts: list[tuple[RouteDecision, Backend | None, Job]] = [
             (x, self.remotes[x.upstream] if x.upstream is not None else local, self._job(job, x))
             for x in (d, *d.fallbacks)
         ]
-        backend = RoutedBackend(attempts, self.metrics)
-        backend.route = Route(backend, attempts[0][2], d.header_value())
-        return backend.route
+        return Route(attempts, self.metrics)

@@ -2,8 +2,8 @@
 
 Everything that can refuse a request (body size, schema, limits, rate, unknown model, prompt
 length, overload) happens before a 200 goes out; after it, a fault becomes one SSE error event and
-``[DONE]``. Hooks: ``state.router`` picks the backend, ``state.cache`` answers a request or stores
-its finished generation, streamed or not (see gateway/backends.py for both protocols).
+``[DONE]``. ``state.router`` (gateway/routing.py) picks the backend and its fallbacks; ``state.cache``
+answers a request or stores its finished generation, streamed or not (gateway/backends.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from decoding.params import SpecMode, SpecParams
-from gateway.backends import Backend, Delta, Generation, Job, Route, ServingCache
+from gateway.backends import Backend, Delta, Generation, Job, ServingCache
 from gateway.errors import APIError, bad_request, error_event, error_response, to_api_error, unavailable
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.limits import RateLimiter, read_body
@@ -39,8 +39,8 @@ class GatewayState:
     settings: Settings
     limiter: RateLimiter
     registry: CollectorRegistry  # /metrics renders this; observability registers into it
+    router: RoutingService
     backend: Backend | None = None  # the local backend; None while models load
-    router: RoutingService | None = None
     cache: ServingCache | None = None
     metrics: Any = None
     draining: bool = False
@@ -259,8 +259,6 @@ async def _serve(
     settings = state.settings
     retry = settings.limits.retry_after_s
     try:
-        if state.backend is None and state.router is None:
-            raise unavailable("The models are still loading; retry shortly.", retry, code="loading")
         headers = await state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
         body = await read_body(request, settings.limits.max_body_bytes)
         try:
@@ -269,9 +267,8 @@ async def _serve(
             raise to_api_error(exc) from exc
         job = to_job(req, request.state.request_id, request.state.tenant, settings)
         observe_job(job)
-        route = await _route(state, job)
-        if state.router is not None:
-            headers["x-specgate-route"] = route.label
+        route = await state.router.route(job, state.backend)
+        headers["x-specgate-route"] = route.label
         # the response names the model that serves it (`auto` resolves to a real one), as OpenAI does
         served = route.job.model
         if isinstance(req, ChatCompletionRequest):
@@ -284,9 +281,10 @@ async def _serve(
         if cached is not None:
             headers["x-specgate-cache"] = cached.header
         # a hit replays as a Generation, so it streams/formats/charges like a fresh one
-        gen = (cached.replay() if cached else None) or await route.backend.start(route.job)
-        if state.router is not None:  # start() may have fallen back to another route
-            headers["x-specgate-route"] = route.label
+        gen = cached.replay() if cached else None
+        if gen is None:
+            decision, gen = await route.start()
+            headers["x-specgate-route"] = decision.header_value()  # after any fallback
     except Exception as exc:
         return error_response(to_api_error(exc, prompt_param, retry))
 
@@ -319,13 +317,6 @@ async def _serve(
 
 def _choices(job: Job) -> int:
     return job.n * (len(job.prompts) if job.prompts is not None else 1)
-
-
-async def _route(state: GatewayState, job: Job) -> Route:
-    if state.router is not None:
-        return await state.router.route(job, state.backend)
-    assert state.backend is not None
-    return Route(state.backend, job, f"{state.backend.name}:{job.model}")
 
 
 async def _collect(gen: Generation, fmt: ChatFormat | CompletionFormat) -> dict[str, Any]:

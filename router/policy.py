@@ -53,23 +53,10 @@ class RouteDecision:
         """The `x-specgate-route` header."""
         return f"tier={self.tier}; model={self.model}; strategy={self.strategy.value}; score={self.score:.2f}"
 
-    def spec_params(self) -> SpecParams:
-        return SpecParams(mode=self.strategy, max_k=self.max_k)
-
-
-def _override(speculative: Any) -> tuple[SpecMode | None, int | None]:
-    """A request's `speculative` field: None, a bool, a mode name, or {mode, max_k} (dict or model)."""
-    if speculative is None:
-        return None, None
-    if isinstance(speculative, bool):
-        return (None if speculative else SpecMode.OFF), None
-    if isinstance(speculative, str | SpecMode):
-        return SpecMode(speculative), None
-    get = speculative.get if isinstance(speculative, Mapping) else lambda k: getattr(speculative, k, None)
-    mode, max_k = get("mode"), get("max_k")
-    if get("enabled") is False:
-        mode = SpecMode.OFF
-    return (SpecMode(mode) if mode is not None else None), (int(max_k) if max_k is not None else None)
+    def spec_params(self, requested: SpecParams | None = None) -> SpecParams:
+        """The request's speculation settings with this decision's mode and k (the rest, such as
+        ``adaptive: false`` for seeded sampling, stays as the gateway set it)."""
+        return replace(requested or SpecParams(), mode=self.strategy, max_k=self.max_k)
 
 
 class Router:
@@ -112,12 +99,13 @@ class Router:
         prompt: str | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
-        speculative: Any = None,
+        spec: SpecParams | None = None,
     ) -> RouteDecision:
-        """Decide for one request. Raises ValueError for a `speculative` value that is not a mode."""
+        """Decide for one request. ``spec``: the request's own speculation settings; a mode other
+        than AUTO overrides the router's where config allows it, and max_k caps k."""
         t0 = time.perf_counter()
         f = extract(messages, prompt, max_tokens)
-        mode, max_k = _override(speculative)
+        mode, max_k = (spec.mode, spec.max_k) if spec is not None else (None, None)
         temp = 1.0 if temperature is None else temperature  # the OpenAI default
         if not self.is_routed(model):
             decision = self._explicit(model, f, temp, mode, max_k)

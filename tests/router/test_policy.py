@@ -9,15 +9,15 @@ from typing import Any
 import pydantic
 import pytest
 
-from decoding.params import SpecMode
+from decoding.params import SpecMode, SpecParams
 from router.config import RouterSettings, TierSettings, UpstreamSettings
 from router.policy import BackendKind, Router
 
 CODE = "```python\nclass Service:\n    def __init__(self):\n        self.db = Database()\n    def run(self):\n        return self.db.query()\n```"
 LOG = "2024-05-01 12:00:01 INFO worker started pid=4242 queue=default\n" * 150  # ~9 kB of context
 
-# prompt, max_tokens, temperature, speculative -> tier, strategy, max_k
-CASES: list[tuple[str, int | None, float | None, Any, str, SpecMode, int]] = [
+# prompt, max_tokens, temperature, the request's SpecParams -> tier, strategy, max_k
+CASES: list[tuple[str, int | None, float | None, SpecParams | None, str, SpecMode, int]] = [
     ("hi", None, None, None, "small", SpecMode.OFF, 8),
     ("What is the capital of France?", None, 0.0, None, "small", SpecMode.OFF, 8),
     ("Translate 'good morning' to Spanish.", 16, 0.0, None, "small", SpecMode.OFF, 8),
@@ -74,20 +74,36 @@ CASES: list[tuple[str, int | None, float | None, Any, str, SpecMode, int]] = [
         "Prove Fermat's little theorem step by step.",
         None,
         0.0,
-        {"mode": "ngram", "max_k": 20},
+        SpecParams(SpecMode.NGRAM, max_k=20),
         "large",
         SpecMode.NGRAM,
         8,
     ),
-    ("Prove Fermat's little theorem step by step.", None, 0.0, {"max_k": 3}, "large", SpecMode.DRAFT, 3),
-    ("Prove Fermat's little theorem step by step.", None, 0.0, False, "large", SpecMode.OFF, 8),
-    ("Prove Fermat's little theorem step by step.", None, 0.0, "auto", "large", SpecMode.DRAFT, 8),
-    ("hi", None, 0.0, {"mode": "draft"}, "small", SpecMode.OFF, 8),  # the small model has no draft
+    (
+        "Prove Fermat's little theorem step by step.",
+        None,
+        0.0,
+        SpecParams(max_k=3),
+        "large",
+        SpecMode.DRAFT,
+        3,
+    ),
+    (
+        "Prove Fermat's little theorem step by step.",
+        None,
+        0.0,
+        SpecParams(SpecMode.OFF),
+        "large",
+        SpecMode.OFF,
+        8,
+    ),
+    ("Prove Fermat's little theorem step by step.", None, 0.0, SpecParams(), "large", SpecMode.DRAFT, 8),
+    ("hi", None, 0.0, SpecParams(SpecMode.DRAFT), "small", SpecMode.OFF, 8),  # the small model has no draft
 ]
 
 
 @pytest.mark.parametrize(("prompt", "max_tokens", "temperature", "spec", "tier", "strategy", "max_k"), CASES)
-def test_route_table(prompt: str, max_tokens: int | None, temperature: float | None, spec: Any, tier: str,
+def test_route_table(prompt: str, max_tokens: int | None, temperature: float | None, spec: SpecParams | None, tier: str,
                      strategy: SpecMode, max_k: int) -> None:  # fmt: skip
     d = Router(RouterSettings()).route(
         "auto", [{"role": "user", "content": prompt}], None, max_tokens, temperature, spec
@@ -126,7 +142,7 @@ def test_explicit_models_skip_routing() -> None:
         0.0,
     )
     assert (
-        r.route("qwen2.5-coder-0.5b", prompt="hi", speculative={"mode": "ngram", "max_k": 3})
+        r.route("qwen2.5-coder-0.5b", prompt="hi", spec=SpecParams(SpecMode.NGRAM, max_k=3))
         .spec_params()
         .max_k
         == 3
@@ -164,7 +180,7 @@ def test_remote_tier_with_fallback_chain() -> None:
 def test_allowed_modes_step_down() -> None:
     s = RouterSettings(strategy={"allowed_modes": ["off", "ngram"], "max_k": 4})
     d = Router(s).route(
-        "auto", prompt="Prove it step by step.", temperature=0, speculative={"mode": "draft", "max_k": 6}
+        "auto", prompt="Prove it step by step.", temperature=0, spec=SpecParams(SpecMode.DRAFT, max_k=6)
     )
     assert (d.strategy, d.max_k) == (SpecMode.NGRAM, 4)
     assert "override-draft-not-allowed" in d.reasons
