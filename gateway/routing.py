@@ -104,7 +104,9 @@ class RoutingService:
     async def route(self, job: Job, local: Backend | None) -> Route:
         messages = job.messages if job.kind == "chat" else None
         prompt = None if job.kind == "chat" else " ".join(p for p in job.prompts or [] if isinstance(p, str))
-        d = self.router.route(job.model, messages, prompt, job.max_tokens, job.temperature, job.spec)
+        d = self.router.route(
+            job.model, messages, prompt, job.max_tokens, job.temperature, job.spec, tools=job.calls_tools
+        )
         if self.metrics is not None:
             self.metrics.observe_route(d.tier, d.strategy.value, d.elapsed_us / 1e6)
         attempts: list[tuple[RouteDecision, Backend | None, Job]] = [

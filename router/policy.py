@@ -100,9 +100,12 @@ class Router:
         max_tokens: int | None = None,
         temperature: float | None = None,
         spec: SpecParams | None = None,
+        tools: bool = False,
     ) -> RouteDecision:
         """Decide for one request. ``spec``: the request's own speculation settings; a mode other
-        than AUTO overrides the router's where config allows it, and max_k caps k."""
+        than AUTO overrides the router's where config allows it, and max_k caps k. ``tools``: the
+        model may call tools; such a request is never "easy" (it scores at least the second tier's
+        threshold): choosing a call and filling its arguments is beyond the small tier."""
         t0 = time.perf_counter()
         f = extract(messages, prompt, max_tokens)
         mode, max_k = (spec.mode, spec.max_k) if spec is not None else (None, None)
@@ -111,6 +114,9 @@ class Router:
             decision = self._explicit(model, f, temp, mode, max_k)
         else:
             score, reasons = complexity(f, self.weights)
+            tiers = self.settings.tiers
+            if tools and len(tiers) > 1 and score < tiers[1].threshold:
+                score, reasons = tiers[1].threshold, [*reasons, "tools"]
             tier = self.tier_for(score)
             primary = self._target(tier, f, temp, mode, max_k, score, reasons)
             fallbacks = tuple(

@@ -251,3 +251,11 @@ def test_grounded_rewrites_use_prompt_lookup_on_any_tier(ask: str, tier: str) ->
     rs = RouterSettings(strategy={"allowed_modes": ["off", "draft"]})
     d = Router(rs).route("auto", [{"role": "user", "content": prompt}], None, None, 0.0)
     assert d.strategy == SpecMode.OFF
+
+
+def test_a_request_that_may_call_tools_is_never_easy() -> None:
+    r = Router(RouterSettings())
+    easy = r.route("auto", [{"role": "user", "content": "hi"}])
+    assert easy.tier == "small"
+    d = r.route("auto", [{"role": "user", "content": "hi"}], tools=True)
+    assert d.tier == "large" and "tools" in d.reasons
