@@ -8,6 +8,7 @@ stream with that same error.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -72,9 +73,10 @@ def _tool_calls(delta: dict[str, Any]) -> list[ToolCallDelta] | None:
         if not isinstance(c, dict):
             continue
         fn = c.get("function") or {}
-        out.append(
-            ToolCallDelta(int(c.get("index", 0)), fn.get("arguments") or "", c.get("id"), fn.get("name"))
-        )
+        # a call opens with its name (some servers repeat the id on every delta: not an opening)
+        opening = bool(fn.get("name"))
+        call_id = (c.get("id") or f"call_{uuid.uuid4().hex[:24]}") if opening else None
+        out.append(ToolCallDelta(int(c.get("index", 0)), fn.get("arguments") or "", call_id, fn.get("name")))
     return out or None
 
 

@@ -236,3 +236,71 @@ def test_prediction_is_lossless_and_drafts_from_the_prediction(tiny_models):
     assert out == plain
     assert stats.drafter == "prediction"
     assert stats.mean_accepted_per_step > 4
+
+
+@pytest.mark.slow
+def test_real_pair_tool_call_uses_the_tool_call_token_and_parses(real_pair):
+    from gateway.tools import ToolCallParser, grammar_for
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    tok = real_pair["target"].tokenizer
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[tool],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
+    grammar = grammar_for(None, [tool], "required", False)
+    engine = Engine(real_pair)
+    outs = []
+    for mode in ("off", "draft"):
+        req = GenerationRequest(
+            "r", "target", list(ids), SamplingParams(max_tokens=48, temperature=0),
+            SpecParams(SpecMode(mode), max_k=4), grammar=grammar,
+        )  # fmt: skip
+        tokens, _, finish = engine.generate(req)
+        assert finish == FinishReason.STOP
+        outs.append(tokens)
+    assert outs[0] == outs[1]
+    assert outs[0][0] == tok.convert_tokens_to_ids("<tool_call>")  # the trained token, not its spelling
+    parser = ToolCallParser()
+    content, calls = parser.feed(tok.decode(outs[0], skip_special_tokens=True))
+    more, rest = parser.flush()
+    calls += rest
+    assert (content + more).strip() == "" and calls[0].name == "get_weather"
+    assert json.loads("".join(c.arguments for c in calls))["city"] == "Paris"
+
+
+@pytest.mark.slow
+def test_real_pair_predicted_outputs_beat_prompt_lookup_on_a_code_edit(real_pair):
+    code = "def calc(items):\n    t = 0\n    for name, price, q in items:\n        t += price * q\n    return t\n"
+    tok = real_pair["target"].tokenizer
+    prompt = f"Rename `calc` to `total` in this code and return only the code:\n\n```python\n{code}```"
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    engine = Engine(real_pair)
+    prediction = tuple(tok.encode(f"```python\n{code}```", add_special_tokens=False))
+    runs = {}
+    for name, mode, pred in (
+        ("none", "off", None),
+        ("ngram", "ngram", None),
+        ("prediction", "auto", prediction),
+    ):
+        req = GenerationRequest(
+            "r", "target", list(ids), SamplingParams(max_tokens=48, temperature=0),
+            SpecParams(SpecMode(mode), max_k=8), prediction=pred,
+        )  # fmt: skip
+        runs[name] = engine.generate(req)
+    assert runs["prediction"][0] == runs["none"][0] == runs["ngram"][0]
+    assert runs["prediction"][1].mean_accepted_per_step > runs["ngram"][1].mean_accepted_per_step
