@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -35,7 +36,7 @@ RECORD = {
         "name": {"type": "string"},
         "language": {"enum": ["python", "rust", "go", "java"]},
         "stars": {"type": "integer", "minimum": 0},
-        "topics": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "topics": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
         "license": {"type": "object", "properties": {"spdx": {"type": "string"}, "osi": {"type": "boolean"}},
                     "required": ["spdx", "osi"], "additionalProperties": False},
     },
@@ -123,6 +124,8 @@ def run(engine: Engine, ids: list[int], mode: SpecMode, new: int, **kw: Any) -> 
     t0 = time.perf_counter()
     tokens, stats, _ = engine.generate(req)
     wall = time.perf_counter() - t0
+    print(f"  {mode.value}{' +prediction' if kw.get('prediction') else ''}: {len(tokens)} tokens, {stats.steps} "
+          f"passes, {wall:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
     return {"tokens": tokens, "wall_s": wall, "tok_s": len(tokens) / wall, "per_pass": stats.mean_accepted_per_step,
             "steps": stats.steps, "decode_step_ms": 1e3 * stats.decode_s / max(stats.steps, 1)}  # fmt: skip
 
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(models)
     tok = models["target"].tokenizer
     grammar = grammar_costs(models)
+    print(json.dumps(grammar), file=sys.stderr, flush=True)
     g = GrammarSpec("json_schema", json.dumps(RECORD))
     run(engine, chat(tok, "hi"), SpecMode.OFF, 8, grammar=g)  # warm-up
     constrained: list[dict[str, Any]] = []
