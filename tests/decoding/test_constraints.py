@@ -283,9 +283,10 @@ def test_real_pair_tool_call_uses_the_tool_call_token_and_parses(real_pair):
 
 @pytest.mark.slow
 def test_real_pair_predicted_outputs_beat_prompt_lookup_on_a_code_edit(real_pair):
-    code = "def calc(items):\n    t = 0\n    for name, price, q in items:\n        t += price * q\n    return t\n"
+    from bench.structured import CODE_B as code
+
     tok = real_pair["target"].tokenizer
-    prompt = f"Rename `calc` to `total` in this code and return only the code:\n\n```python\n{code}```"
+    prompt = f"Add a docstring to the `pop` method in this code and return the whole code, no commentary:\n\n```python\n{code}```"
     ids = tok.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
     )["input_ids"]
@@ -298,7 +299,7 @@ def test_real_pair_predicted_outputs_beat_prompt_lookup_on_a_code_edit(real_pair
         ("prediction", "auto", prediction),
     ):
         req = GenerationRequest(
-            "r", "target", list(ids), SamplingParams(max_tokens=48, temperature=0),
+            "r", "target", list(ids), SamplingParams(max_tokens=72, temperature=0),
             SpecParams(SpecMode(mode), max_k=8), prediction=pred,
         )  # fmt: skip
         runs[name] = engine.generate(req)
