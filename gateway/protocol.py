@@ -34,8 +34,17 @@ def _integral(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, BeforeValidator(_integral)]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Ranges sit inside the Annotated type, before the validator (so on the integer itself): on the
+# field, or after the validator, pydantic renders them as stray "ge"/"le" schema keys, not as
+# minimum/maximum.
+Int = Annotated[int, BeforeValidator(_integral)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_integral)]
+Count = Annotated[int, Field(ge=1, le=INT64_MAX), BeforeValidator(_integral)]  # max_tokens, n
+TopK = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_integral)]
+MaxK = Annotated[int, Field(ge=1, le=32), BeforeValidator(_integral)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
+LogprobCount = Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)]
 
 
 class _Request(BaseModel):
@@ -52,7 +61,7 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["auto", "off", "draft", "ngram"] = "auto"
-    max_k: Int | None = Field(default=None, ge=1, le=32)
+    max_k: MaxK | None = None
     # false: always draft max_k tokens, skipping the adaptive k and the goodput check (benchmarks,
     # and tests that must see speculation on hardware where it does not pay)
     adaptive: bool | None = None
@@ -144,20 +153,20 @@ class _Sampling(_Request):
     """Fields shared by chat and legacy completions."""
 
     model: str = Field(min_length=1)
-    max_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: Int = Field(default=1, ge=1, le=INT64_MAX)
+    n: Count = 1
     stop: str | list[str] | None = None
     # n seeded choices use seed, seed + 1, ...: the range keeps every one within a 64-bit generator seed
-    seed: Int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extra body fields (the SDK's extra_body)
-    top_k: Int | None = Field(default=None, ge=0, le=INT64_MAX)
+    top_k: TopK | None = None
     speculative: SpeculativeOptions | None = None
     stream_granularity: Literal["step", "token"] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -186,11 +195,11 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     prediction: Prediction | None = None
-    max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     # as OpenAI documents it: "logprobs must be set to true if this parameter is used" (else a 400)
-    top_logprobs: Int | None = Field(
-        default=None, ge=0, le=20, description="Needs logprobs: true; without it the request is refused."
+    top_logprobs: TopLogprobs | None = Field(
+        default=None, description="Needs logprobs: true; without it the request is refused."
     )
 
     @property
@@ -201,7 +210,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int] | list[list[Int]]  # token ids: checked by serving._prompts
     echo: bool = False
-    logprobs: Int | None = Field(default=None, ge=0, le=5)
+    logprobs: LogprobCount | None = None
     suffix: Any = None
     best_of: Any = None
     # chat-only, refused by name here (CHAT_ONLY)

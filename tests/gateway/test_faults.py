@@ -82,6 +82,10 @@ async def test_openapi_declares_path_parameters_and_405_carries_allow() -> None:
     async with client(app) as c:
         doc = (await c.get("/openapi.json")).json()
         r = await c.delete("/v1/models")
+    # ranges render as JSON Schema's minimum/maximum, never as pydantic's stray "ge"/"le" keys
+    assert '"ge":' not in json.dumps(doc) and '"le":' not in json.dumps(doc)
+    seed = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["seed"]["anyOf"][0]
+    assert seed == {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
     params = doc["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
     assert params == [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
