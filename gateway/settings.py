@@ -68,7 +68,8 @@ class AuthSettings(_Section):
     # Paths served without a key when keys are set. Beyond /health, readiness and metrics are open by
     # default because Kubernetes probes and Prometheus scrapers carry no key, and the dashboard is a
     # static page over /metrics that a browser opens without one. None of them holds prompt text.
-    # Set to ["/health"] to require a key everywhere else.
+    # Set to ["/health"] to require a key everywhere else. /openapi.json is not public by default:
+    # it describes an API that needs a key (add it here to publish the schema).
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics", "/dashboard"])
 
 
