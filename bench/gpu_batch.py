@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def replay(engine: ReplayEngine, reqs: list[GenerationRequest], ref: dict[int, list[int]]) -> None:
         for i, r in enumerate(reqs):
-            engine.references[r.request_id] = corrupt(ref.get(i, []), ACCEPTANCE, gen)
+            engine.references[r.request_id] = corrupt(ref.get(i, [0] * NEW), ACCEPTANCE, gen)
 
     R["engine"] = {}
     for N in ns:
