@@ -17,7 +17,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from decoding.params import SamplingParams
-from decoding.runner import SequenceRunner, forward_many
+from decoding.runner import SequenceRunner, as_ids, forward_many
 from decoding.sampling import apply_penalties, probs_from_logits, sample
 
 
@@ -144,7 +144,7 @@ class PromptLookupDrafter:
         generator: torch.Generator | None,
     ) -> Proposal:
         found = lookup_ngram(np.asarray(tokens, dtype=np.int64), k, self.max_ngram, self.min_ngram)
-        return Proposal(torch.tensor(found, dtype=torch.long, device=self.device), None)
+        return Proposal(as_ids(found, self.device), None)
 
     def catch_up(self, tokens: list[int]) -> None:
         pass
@@ -206,7 +206,7 @@ def _draft_pass(runners: list[SequenceRunner], feed: list[torch.Tensor]) -> torc
         starts = [r.advance(w) for r, w in zip(runners, widths, strict=True)]  # type: ignore[attr-defined]
         ids = pad_sequence(feed, batch_first=True)  # [B, W]
         logits = model.forward_batch([r.slot for r in runners], starts, ids)  # type: ignore[attr-defined]
-        last = torch.tensor(widths, device=ids.device) - 1
+        last = as_ids(widths, ids.device) - 1
         return logits[torch.arange(len(runners), device=ids.device), last]
     out = forward_many(runners, feed, ["last"] * len(runners))
     return torch.cat([o for o in out if o is not None])
@@ -220,7 +220,7 @@ def catch_up_many(items: list[ProposeItem]) -> None:
         if isinstance(drafter, DraftModelDrafter) and k > 0:
             seen = drafter.runner.length
             if len(tokens) - seen > drafter.INLINE:
-                rows.append((drafter.runner, torch.tensor(tokens[seen:-1], device=drafter.device)))
+                rows.append((drafter.runner, as_ids(tokens[seen:-1], drafter.device)))
     if rows:
         forward_many([r for r, _ in rows], [t for _, t in rows], ["none"] * len(rows))
 
@@ -244,10 +244,7 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
         return out
     # the unseen tokens of each row (the bonus token, after a full acceptance d_k as well; a backlog
     # was absorbed by catch_up), their last position's logits drafting the first token
-    feed = [
-        torch.tensor(items[i][1][d.drafter.runner.length :], dtype=torch.long, device=d.drafter.device)
-        for i, d in live
-    ]
+    feed = [as_ids(items[i][1][d.drafter.runner.length :], d.drafter.device) for i, d in live]
     step = 0
     while live:
         rows = _draft_pass([d.drafter.runner for _, d in live], feed)  # [B, V]
@@ -313,7 +310,7 @@ class PredictionDrafter:
         found = [] if at is None else self.prediction[at : at + k].tolist()
         if at is not None:
             self.expected, self.output_len = at, len(out)
-        return Proposal(torch.tensor(found, dtype=torch.long, device=self.device), None)
+        return Proposal(as_ids(found, self.device), None)
 
     def catch_up(self, tokens: list[int]) -> None:
         pass

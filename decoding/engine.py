@@ -40,7 +40,7 @@ from decoding.params import (
     StepOutput,
     TokenLogprob,
 )
-from decoding.runner import EagerRunner, SequenceRunner, Want, forward_many
+from decoding.runner import EagerRunner, SequenceRunner, Want, as_ids, forward_many
 from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
 from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 
@@ -335,9 +335,9 @@ class Engine:
         probs = None
         if proposal is not None and proposal.probs is not None:
             V = proposal.probs.shape[-1]
-            one_hot = torch.nn.functional.one_hot(torch.tensor(forced, dtype=torch.long, device=device), V)
+            one_hot = torch.nn.functional.one_hot(as_ids(forced, device), V)
             probs = torch.cat([one_hot.to(proposal.probs.dtype), proposal.probs])[:n]
-        return Proposal(torch.tensor(tokens[:n], dtype=torch.long, device=device), probs)
+        return Proposal(as_ids(tokens[:n], device), probs)
 
     @staticmethod
     def _prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
@@ -375,7 +375,7 @@ class Engine:
         wants: list[Want] = ["all"] * len(rows)
         for s, n in todo:
             runners.append(s.runner)
-            rows.append(torch.tensor(s.tokens[s.runner.length : s.runner.length + n], device=s.target.device))
+            rows.append(as_ids(s.tokens[s.runner.length : s.runner.length + n], s.target.device))
             wants.append("none")
         out = forward_many(runners, rows, wants) if runners else []
         if not decoding:
@@ -423,7 +423,7 @@ class Engine:
             if len(plain) == len(decoding):
                 n_t, am = verify_greedy_batch(batch.drafts, logits)
             else:
-                idx = torch.tensor(plain, device=logits.device)
+                idx = as_ids(plain, logits.device)
                 n_t, am = verify_greedy_batch(batch.drafts[idx], logits[idx])
             parts += [n_t, am.flatten()]
         others = [b for b in range(len(decoding)) if b not in set(plain)]
@@ -481,13 +481,13 @@ class Engine:
             seq.shaping.constraint.commit(new_list)  # [shaping] the matcher advances by accepted tokens only
         logprobs = None
         if params.logprobs is not None and new_list:
-            new = torch.tensor(new_list, device=logits.device)
+            new = as_ids(new_list, logits.device)
             rows = logprobs_of(logits[: len(new_list)], new, params.logprobs)
             logprobs = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)]
         seq.tokens.extend(new_list)
         if new_list and params.penalised:  # counts exist for the penalties alone
             # index_add_, not `counts[idx] += 1`: a token accepted twice in one step counts twice
-            idx = torch.tensor(new_list, device=seq.counts.device)
+            idx = as_ids(new_list, seq.counts.device)
             seq.counts.index_add_(0, idx, torch.ones_like(idx))
         seq.stats.completion_tokens = seq.completion_tokens
         seq.finished = finish

@@ -18,10 +18,11 @@ Tokens = list[int] | torch.Tensor  # [T] on any device
 
 
 def as_ids(tokens: Tokens, device: torch.device) -> torch.Tensor:
-    """[T] long tensor on ``device``."""
+    """[T] long tensor on ``device``. A host list is copied without waiting: ``torch.tensor(...,
+    device=cuda)`` synchronises the stream, which would stall the host behind every queued kernel."""
     if isinstance(tokens, torch.Tensor):
         return tokens.to(device=device, dtype=torch.long)
-    return torch.tensor(tokens, dtype=torch.long, device=device)
+    return torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
 
 
 Want = Literal["all", "last", "none"]  # which positions' logits a row returns

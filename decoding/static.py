@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from decoding import kernels
 from decoding.errors import NoFreeSlot
 from decoding.layers import (
     Dims,
@@ -116,6 +117,14 @@ class StaticModel:
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._free = list(range(slots))
         self._lock = threading.Lock()
+        # short rows attend straight from the pool with one Triton kernel where it runs (CUDA):
+        # no gather, no mask, no graph per attended length, and batch-invariant (decoding/kernels.py)
+        self.fused_attention = kernels.available(self.device, head_dim)
+        self.tile = (
+            kernels.block_m(max_graph_tokens, self.dims.n_heads // self.dims.n_kv)
+            if self.fused_attention
+            else 0
+        )
         self.compiled = compile_step
         self._in: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_in
         self._out: Callable[..., torch.Tensor] = attention_out
@@ -161,6 +170,11 @@ class StaticModel:
             return self.cache_len
         return min(self.cache_len, max(256, 1 << (end - 1).bit_length()))
 
+    def _batch_len(self, end: int, exact: bool) -> int:
+        """``_attn_len`` for the short rows of a step: 0 where the fused kernel reads each row up to
+        its own length (so graphs need no key by attended length)."""
+        return 0 if self.fused_attention else self._attn_len(end, exact)
+
     def _forward(self, step: StepRows) -> torch.Tensor:
         """Hidden states [N, D] of every token of ``step``; writes their K/V into the pool."""
         x = F.embedding(step.ids, self.embed)  # [N, D]
@@ -172,10 +186,11 @@ class StaticModel:
         H, hd = self.dims.n_heads, self.dims.head_dim
         B, W, L = step.batch, step.width, step.attn_len
         keys = self.positions[:L]
-        masks: list[torch.Tensor] = []
-        if B:  # [B, 1, W, L] additive: each query sees its own row's cache up to its position
+        batch_mask = None
+        if B and not self.fused_attention:  # [B, 1, W, L] additive: each query sees its row up to itself
             p = step.pos[: B * W].view(B, W)
-            masks.append(self._mask(keys[None, None, None, :] > p[:, None, :, None]))
+            batch_mask = self._mask(keys[None, None, None, :] > p[:, None, :, None])
+        masks: list[torch.Tensor] = []
         off = B * W
         for _, T, Lp in step.singles:
             p = step.pos[off : off + T]
@@ -186,19 +201,24 @@ class StaticModel:
             kc.index_put_((step.slot_of, step.pos), k)  # gpt-fast's KVCache.update, every row at once
             vc.index_put_((step.slot_of, step.pos), v)
             outs = []
-            if B:
+            if B and self.fused_attention:
+                qb = q[: B * W].view(B, W, H, hd)
+                o_b = kernels.decode_attention(
+                    qb, kc, vc, step.slots, step.pos[: B * W], self.dims.scale, self.tile
+                )
+                outs.append(o_b.flatten(0, 1))
+            elif B:
+                assert batch_mask is not None
                 if step.one_slot is not None:  # one row: its cache as a view, no gather
                     s = step.one_slot
                     kr, vr = kc[s : s + 1, :L], vc[s : s + 1, :L]
                 else:
                     kr, vr = kc[step.slots, :L], vc[step.slots, :L]  # [B, L, KV, hd]
-                outs.append(attend(q[: B * W].view(B, W, H, hd), kr, vr, masks[0], self.dims).flatten(0, 1))
+                outs.append(attend(q[: B * W].view(B, W, H, hd), kr, vr, batch_mask, self.dims).flatten(0, 1))
             off = B * W
             for i, (s, T, Lp) in enumerate(step.singles):
                 qi = q[off : off + T][None]  # [1, T, H, hd]
-                outs.append(
-                    attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], masks[i + bool(B)], self.dims)[0]
-                )
+                outs.append(attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], masks[i], self.dims)[0])
                 off += T
             o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * hd]
             if self.compiled and o.shape[0] > 1:
@@ -237,7 +257,7 @@ class StaticModel:
         W = self.max_graph_tokens if exact else max((r.tokens.shape[0] for r in short), default=0)
         if short and not long and self.graphs_enabled:
             B = _bucket(len(short))
-            L = self._attn_len(max(r.start for r in short) + W, exact)
+            L = self._batch_len(max(r.start for r in short) + W, exact)
             key = (B, W, L, short[0].slot if B == 1 else -1)
             graph = self._graphs.get(key)
             if graph is None:
@@ -262,7 +282,7 @@ class StaticModel:
         if self.step_override is not None or self.max_graph_tokens < W:
             rows = [Row(s, ids[b, :T], st) for b, (s, st) in enumerate(zip(slots, starts, strict=True))]
             return torch.stack([t for t in self.forward_rows(rows, exact) if t is not None])
-        L = self._attn_len(max(starts) + W, exact)
+        L = self._batch_len(max(starts) + W, exact)
         if self.graphs_enabled:
             Bb = _bucket(B)
             key = (Bb, W, L, slots[0] if Bb == 1 else -1)
@@ -304,11 +324,11 @@ class StaticModel:
         return StepRows(
             ids=torch.cat(ids),
             pos=torch.cat(pos),
-            slot_of=torch.tensor(flat_slots, device=self.device),
+            slot_of=as_ids(flat_slots, self.device),
             batch=B,
             width=W,
-            slots=torch.tensor([r.slot for r in short], device=self.device),
-            attn_len=self._attn_len(max((r.start for r in short), default=0) + W, exact) if B else 0,
+            slots=as_ids([r.slot for r in short], self.device),
+            attn_len=self._batch_len(max((r.start for r in short), default=0) + W, exact) if B else 0,
             one_slot=short[0].slot if B == 1 else None,
             singles=singles,
         )
@@ -343,7 +363,7 @@ class StaticModel:
         widths = {self.max_graph_tokens} if self.exact else set(token_counts)
         for B in batch_sizes:
             for W in widths:
-                L = self._attn_len(W, self.exact)
+                L = self._batch_len(W, self.exact)
                 slots = [self.scratch] if B == 1 else [-1]
                 for s in slots:
                     if (B, W, L, s) not in self._graphs:

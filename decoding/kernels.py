@@ -1,0 +1,154 @@
+"""Attention of a batched decode/verification step straight from the KV pool, as one Triton kernel.
+
+Why a kernel of our own: SDPA over the pool needs each row's cache gathered into a [B, L, ...] copy and an
+additive [B, 1, W, L] mask (no fused SDPA kernel takes grouped-query heads with a mask, so it runs
+cuDNN's or the math path), and at decode sizes that costs as much per layer as a small GEMM
+(``bench.probe_batch`` measures both; docs/benchmarks.md). Here one program per (row, kv head) reads
+its slot's keys in place, up to the row's own length, with every grouped query head of every query
+token of the row in one tile, so a step needs no gather, no mask and no length bucket (CUDA graphs
+need no key by attended length either).
+
+Batch invariance: a query's result depends only on its own position and the keys up to it. Keys are
+visited in fixed blocks from position 0, masked keys contribute exact zeros, and the tile shape is one
+constant per model, so the same query computes the same bits whatever else is in the step (other rows,
+its own row's width, the cache's size).
+
+    decode_attention(q [B, W, H, hd], k_pool, v_pool [S, Lc, KV, hd], slots [B], pos [B * W]) -> [B, W, H * hd]
+
+Flash-attention's online softmax (Dao et al. 2022), with flash-decoding's layout of grouped heads
+(one kv head's queries share its loads). No split of long contexts across programs: at batch 1 a
+program streams its row's whole cache alone, which serves the contexts this engine is sized for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds ship no Triton: the static backend keeps SDPA there
+    triton = None
+
+
+def available(device: torch.device, head_dim: int) -> bool:
+    """The kernel runs on CUDA with Triton, for power-of-two head sizes from 16 (tl.arange and
+    tl.dot need them)."""
+    return triton is not None and device.type == "cuda" and head_dim in (16, 32, 64, 128, 256)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_kernel(
+        Q,  # [B, W, H, hd]
+        K,  # [S, Lc, KV, hd]
+        V,
+        Out,  # [B, W, H, hd]
+        slots,  # [B] int64
+        pos,  # [B * W] int64: cache position of each query token
+        W,
+        scale,
+        sq_b,
+        sq_w,
+        sq_h,
+        sk_s,
+        sk_l,
+        sk_h,
+        so_b,
+        so_w,
+        so_h,
+        G: tl.constexpr,  # query heads per kv head
+        HD: tl.constexpr,
+        BLOCK_M: tl.constexpr,  # >= W * G: every query of the row for this kv head
+        BLOCK_N: tl.constexpr,  # keys per iteration
+        PRECISION: tl.constexpr,  # "ieee" for float32 inputs (tl.dot would round them to tf32)
+    ):
+        b = tl.program_id(0)
+        j = tl.program_id(1)  # kv head
+        slot = tl.load(slots + b)
+        start = tl.load(pos + b * W)
+        m = tl.arange(0, BLOCK_M)
+        w = m // G
+        h = j * G + m % G
+        valid = w < W
+        d = tl.arange(0, HD)
+        q = tl.load(
+            Q + b * sq_b + w[:, None] * sq_w + h[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0
+        )
+        qpos = start + w  # [BLOCK_M]
+        end = start + W  # the step's own keys are in the pool already
+        k_base = K + slot * sk_s + j * sk_h
+        v_base = V + slot * sk_s + j * sk_h
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], tl.float32)
+        for n0 in range(0, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            live = n < end
+            k = tl.load(k_base + n[None, :] * sk_l + d[:, None], mask=live[None, :], other=0.0)  # [HD, N]
+            s = tl.dot(q, k, input_precision=PRECISION) * scale  # [M, N]
+            s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)  # [N, HD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + b * so_b + w[:, None] * so_w + h[:, None] * so_h + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=valid[:, None],
+        )
+
+
+def block_m(max_width: int, group: int) -> int:
+    """The one query-tile height of a model: every query of a max_width-token row for one kv head."""
+    return max(16, triton.next_power_of_2(max_width * group))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, W, H, hd]
+    k_pool: torch.Tensor,  # [S, Lc, KV, hd]
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,  # [B] long
+    pos: torch.Tensor,  # [B * W] long: each query token's cache position (rows are consecutive)
+    scale: float,
+    tile: int,  # block_m(...) of the model: one constant, so that results do not depend on W
+) -> torch.Tensor:
+    """Causal attention of each row's queries over its own slot's keys up to their positions."""
+    B, W, H, hd = q.shape
+    KV = k_pool.shape[2]
+    G = H // KV
+    assert tile >= W * G, f"a row of {W} tokens x {G} heads exceeds the query tile ({tile})"
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
+    o = torch.empty_like(q)
+    _attn_kernel[(B, KV)](
+        q,
+        k_pool,
+        v_pool,
+        o,
+        slots,
+        pos,
+        W,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        G=G,
+        HD=hd,
+        BLOCK_M=tile,
+        BLOCK_N=64,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    return o.view(B, W, H * hd)

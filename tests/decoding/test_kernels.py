@@ -1,0 +1,69 @@
+"""The fused decode-attention kernel (decoding/kernels.py) on a GPU: it computes causal attention of
+each row over its own slot, and a query's result does not depend on the rest of the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding import kernels
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not kernels.available(torch.device("cuda"), 128), reason="needs CUDA and Triton"),
+]
+
+S, LC, KV, G, HD = 6, 96, 2, 4, 128
+
+
+def _pool(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.randn(S, LC, KV, HD, generator=gen).to("cuda", dtype)
+    v = torch.randn(S, LC, KV, HD, generator=gen).to("cuda", dtype)
+    return k, v
+
+
+def _run(q, k, v, slots, starts, tile):  # type: ignore[no-untyped-def]
+    W = q.shape[1]
+    pos = (torch.tensor(starts)[:, None] + torch.arange(W)[None]).reshape(-1).cuda()
+    return kernels.decode_attention(q, k, v, torch.tensor(slots).cuda(), pos, HD**-0.5, tile)
+
+
+def _reference(q, k, v, slots, starts):  # type: ignore[no-untyped-def]
+    """Row by row in float64: each query attends to its slot's keys 0..its position."""
+    B, W, H, _ = q.shape
+    out = torch.empty(B, W, H, HD, dtype=torch.float64)
+    for b in range(B):
+        for w in range(W):
+            p = starts[b] + w
+            kk = k[slots[b], : p + 1].double().cpu().repeat_interleave(G, dim=1)  # [p+1, H, hd]
+            vv = v[slots[b], : p + 1].double().cpu().repeat_interleave(G, dim=1)
+            s = torch.einsum("hd,phd->hp", q[b, w].double().cpu(), kk) * HD**-0.5
+            out[b, w] = torch.einsum("hp,phd->hd", s.softmax(-1), vv)
+    return out.view(B, W, H * HD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W", [1, 4, 9])
+def test_matches_reference(dtype, W):
+    gen = torch.Generator().manual_seed(W)
+    k, v = _pool(dtype, gen)
+    slots, starts = [4, 1, 2], [10, 0, 70]
+    q = torch.randn(3, W, KV * G, HD, generator=gen).to("cuda", dtype)
+    got = _run(q, k, v, slots, starts, kernels.block_m(9, G)).double().cpu()
+    ref = _reference(q, k, v, slots, starts)
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_computes_the_same_bits_whatever_else_is_in_the_step(dtype):
+    gen = torch.Generator().manual_seed(0)
+    k, v = _pool(dtype, gen)
+    tile = kernels.block_m(9, G)
+    q = torch.randn(3, 9, KV * G, HD, generator=gen).to("cuda", dtype)
+    batch = _run(q, k, v, [4, 1, 2], [10, 0, 70], tile)  # [3, 9, H * hd]
+    alone = _run(q[1:2], k, v, [1], [0], tile)  # the same row as the batch of one
+    assert torch.equal(batch[1], alone[0])
+    for w in (0, 3, 8):  # each query as a 1-token step at its own position
+        one = _run(q[2:3, w : w + 1], k, v, [2], [70 + w], tile)
+        assert torch.equal(batch[2, w], one[0, 0])
