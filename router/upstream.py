@@ -351,7 +351,7 @@ class UpstreamClient:
         if exc.retry_after is not None:
             return min(exc.retry_after, self.settings.timeout_s)
         # Exponential backoff with jitter, so retrying gateways do not stampede a recovering upstream.
-        return self.settings.backoff_s * (2**attempt) * random.uniform(0.5, 1.0)
+        return self.settings.backoff_s * (2.0**attempt) * random.uniform(0.5, 1.0)
 
     def _observe(self, outcome: str, started: float | None = None) -> None:
         """One call's outcome and latency, and the breaker's state after it."""
