@@ -106,9 +106,8 @@ class StaticModel:
         self.positions = pos  # [cache_len]
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
-        # exact mode (docs/architecture.md, "Exact mode"): every short step of a row runs at width
-        # max_graph_tokens over the whole cache, so a verification row meets the kernels of a
-        # 1-token step. A drafting runner never needs it.
+        # exact mode: every short step of a row runs at width max_graph_tokens over the whole cache
+        # (see docs/architecture.md, Exact mode). A drafting runner never needs it.
         self.exact = exact
         self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
@@ -155,8 +154,8 @@ class StaticModel:
     # ---- the forward pass ---------------------------------------------------------------------
 
     def _attn_len(self, end: int, exact: bool) -> int:
-        """Cache positions a step attends over: the whole cache in exact mode (a row's rounding may
-        not depend on the step), else the smallest power of two from 256 that holds ``end``."""
+        """Cache positions a step attends over: the whole cache in exact mode (see
+        docs/architecture.md, Exact mode), else the smallest power of two from 256 that holds ``end``."""
         if exact:
             return self.cache_len
         return min(self.cache_len, max(256, 1 << (end - 1).bit_length()))
