@@ -5,9 +5,9 @@ After gpt-fast: the cache is indexed by position, so a rejected draft's slots ar
 by the next step and "cutting back" is setting a length. Shapes never change, so the draft's 1-token
 step and the target's (k+1)-token verification replay as CUDA graphs with no per-kernel launch cost.
 
-At batch 1 a step's cost is its kernel count as much as its bytes (a 0.5B draft moves 1 GB in a
-quarter of a millisecond, but runs ~1000 kernels in eager HF code), so the forward is written for few
-kernels rather than through the HF modules:
+At batch 1 a step's cost is its kernel count as much as its bytes (a small draft's weights stream
+through memory faster than eager HF code launches its many kernels; docs/benchmarks.md has the
+kernels per step), so the forward is written for few kernels rather than through the HF modules:
   - q/k/v and gate/up are each one matmul over weights concatenated once at load (as vLLM's
     QKVParallelLinear and MergedColumnParallelLinear do); the HF modules' parameters become views of
     the fused tensors, so memory is not doubled and the HF model still runs as before;
