@@ -293,7 +293,7 @@ def render(
     ]
     lines += [
         "",
-        "Goals (engine issue):",
+        "Goals:",
         f"- draft-model speculation vs transformers' assisted generation, median: {ratio:.2f}x (goal >= 1.2x)",
         f"- slowest prompt under draft speculation vs target-only: {worst:.2f}x (goal >= 0.95x)",
         "- prompt lookup vs transformers' prompt lookup on input-grounded prompts: "

@@ -18,7 +18,7 @@ Exceptions (every httpx exception is translated in `_translated`, nowhere else):
     └── UpstreamStreamBroken      the stream died after its first event
 
 Deliberate: an in-band `{"error": ...}` event from the upstream is yielded like a chunk, not raised:
-it is the upstream's answer and the client should see it (issue 4).
+it is the upstream's answer and the client should see it.
 
 Observed through an optional `UpstreamMetrics` (gateway.observability.Metrics): one `observe_upstream`
 per attempt, by the exception's `outcome` (a stream's when it ends, so its latency runs to the last
