@@ -134,12 +134,13 @@ class RedisStore:
             pipe.zremrangebyscore(idx, "-inf", now)
             pipe.expire(idx, ttl_s, gt=True)
             pipe.expire(idx, ttl_s, nx=True)
-            for sig in semantic.signatures if semantic is not None else []:
-                bucket = self._k(tag, "b", semantic.scope, sig)  # type: ignore[union-attr]
-                pipe.zadd(bucket, {key: expires})
-                pipe.zremrangebyscore(bucket, "-inf", now)
-                pipe.expire(bucket, ttl_s, nx=True)  # a new bucket lives as long as its newest member
-                pipe.expire(bucket, ttl_s, gt=True)
+            if semantic is not None:
+                for sig in semantic.signatures:
+                    bucket = self._k(tag, "b", semantic.scope, sig)
+                    pipe.zadd(bucket, {key: expires})
+                    pipe.zremrangebyscore(bucket, "-inf", now)
+                    pipe.expire(bucket, ttl_s, nx=True)  # a new bucket lives as long as its newest member
+                    pipe.expire(bucket, ttl_s, gt=True)
             pipe.zcard(idx)
             size = (await pipe.execute())[-1]
             if size > cap:
