@@ -1,5 +1,5 @@
-"""``make bench``: every benchmark the engine issue asks for that this machine can run, in one process,
-each writing its own section of docs/benchmarks.md (and its plot).
+"""``make bench``: every engine benchmark this machine can run, in one process, each writing its own
+section of docs/benchmarks.md (and its plot).
 
   - on a CUDA machine: the GPU fast path and speculation at controlled acceptance (``bench.gpu``),
     real architectures at real sizes with random weights;

@@ -4,8 +4,8 @@ For each prompt of the engine benchmark, greedy, a fixed k (adaptive off, so onl
 and each threshold, then the engine's defaults (adaptive k up to the same cap, the CPU's stop):
 target steps, drafted tokens and tok/s. Greedy output is checked identical to target-only. The
 fixed-k counts repeat run to run (the adaptive ones follow measured timings); wall time on a shared
-2-core VM does not (it drifted by 10% between identical runs here), so the table also gives the
-speedup the counts imply at this CPU's measured step costs:
+VM does not (docs/benchmarks.md records the drift), so the table also gives the speedup the counts
+imply at this CPU's measured step costs:
 
     modeled speedup = tokens / (target steps * c_v + drafted tokens * c)
 

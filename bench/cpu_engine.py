@@ -190,7 +190,7 @@ def exact_line(exact: dict[str, dict[str, bool]] | None) -> str:
     return (
         f"Where a specgate output left target-only ({', '.join(exact)}), it is at a rounding tie: this CPU "
         "computes 1-row and multi-row bf16 steps with different kernels. The same requests on `backend: static` "
-        "in exact mode (every step padded to one width over a fixed-length cache; decoding/static.py) came out "
+        "in exact mode (docs/architecture.md, Exact mode) came out "
         f"token-identical to that backend's target-only output in {sum(checks)} of {len(checks)} runs "
         "(draft and prompt lookup)."
     )
@@ -293,7 +293,7 @@ def render(
     ]
     lines += [
         "",
-        "Goals (engine issue):",
+        "Goals:",
         f"- draft-model speculation vs transformers' assisted generation, median: {ratio:.2f}x (goal >= 1.2x)",
         f"- slowest prompt under draft speculation vs target-only: {worst:.2f}x (goal >= 0.95x)",
         "- prompt lookup vs transformers' prompt lookup on input-grounded prompts: "

@@ -214,10 +214,10 @@ def main(argv: list[str] | None = None) -> None:
         compiled = False
         tm = StaticModel(target, MAX_LEN, slots=slots, graphs=True)
         dm = StaticModel(draft, MAX_LEN, slots=slots, graphs=True)
-    # speculation is compared in exact mode (every row at one width over the whole cache), where a
-    # verification row rounds as a 1-token row does: in fast mode random weights tie their top two
-    # logits at bf16 resolution often enough that outputs part within 128 tokens, and the replay's
-    # reference (the target-only output) stops matching. A short context keeps exact attention cheap.
+    # speculation is compared in exact mode (see docs/architecture.md, Exact mode): in fast mode random
+    # weights tie their top two logits at bf16 resolution often enough that outputs part, and the
+    # replay's reference (the target-only output) stops matching. A short context keeps exact
+    # attention cheap.
     te = StaticModel(target, EXACT_LEN, slots=slots, graphs=True, compile_step=compiled, exact=True)
     R["compiled"] = compiled
     R["setup_s"] = time.perf_counter() - t0

@@ -4,10 +4,11 @@ sentence-transformers (and with it torch) is imported only when the model loads,
 thread, so importing the gateway stays torch-free and fast. All model work runs on one dedicated
 thread: the event loop never waits on it, and embedding calls never interleave.
 
-Threads: on the 2-core box MiniLM takes ~13 ms with one torch thread but 50-100 ms with two while
-the engine or anything else is busy (OpenMP workers spin against each other). torch's thread count
-is per OS thread once a thread has run a parallel op, so we pin our worker to ``threads`` and put
-the process-wide default back from a throwaway thread, leaving the engine's threads as they were.
+Threads: on a small box MiniLM is several times slower with two torch threads than with one while
+the engine or anything else is busy (OpenMP workers spin against each other; docs/benchmarks.md,
+Cache quality, ``embedder_threads``). torch's thread count is per OS thread once a thread has run a
+parallel op, so we pin our worker to ``threads`` and put the process-wide default back from a
+throwaway thread, leaving the engine's threads as they were.
 
 Lives in decoding/ with the other models: the gateway's cache uses it, but the layering keeps
 every torch import on this side.

@@ -199,7 +199,7 @@ class Engine:
         # timings, and a different k consumes the generator differently. Such requests draft a
         # fixed k (greedy output does not depend on k at all, so it keeps adapting).
         seeded_sampling = request.params.seed is not None and not request.params.greedy
-        # an exact static runner keeps a step bit-identical to 1-token steps up to its padded width
+        # exact mode caps a step at the runner's padded width (see docs/architecture.md, Exact mode)
         step_limit = runner.max_step_tokens
         controller = SpecController(
             k_max=min(request.spec.max_k, step_limit - 1) if step_limit else request.spec.max_k,

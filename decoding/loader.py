@@ -37,10 +37,9 @@ class ModelSpec:
     # (eager for architectures the static layer does not cover); only static backends batch requests
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
-    # static backends: run every decode and verification step at one padded width
-    # (decoding.runner.EXACT_WIDTH), so greedy speculation is token-identical to target-only decoding
-    # in bf16 too; false: faster target-only decode on a GPU, identical up to rounding ties. None: on,
-    # except for `auto` on a CPU, where exact mode's whole-cache attention costs more than a GPU's
+    # static backends: exact mode, every decode and verification step at one padded width
+    # (decoding.runner.EXACT_WIDTH; see docs/architecture.md, Exact mode). None: on, except for `auto`
+    # on a CPU, where exact mode's whole-cache attention costs more than a GPU's
     exact: bool | None = None
 
 

@@ -79,12 +79,8 @@ class SequenceRunner(Protocol):
 
 
 # Exact mode's step width (static backends): every step of up to this many tokens (a decode, a
-# verification of k <= 8 drafted tokens) runs as this many rows. GEMM and attention libraries pick
-# different kernels for one row and for several, whose low-precision rounding differs, so a
-# verification row and a 1-token step can disagree where the target's top two logits tie; at one
-# width, over a cache of one length, every row meets the same kernels and greedy speculation is
-# token-identical to target-only decoding. (Padding the eager runner is not enough: its attention
-# reads a cache whose length moves with the row's place in the step, and rounds accordingly.)
+# verification of k <= 8 drafted tokens) runs as this many rows; see docs/architecture.md, Exact mode
+# (also why the eager runner has no exact mode).
 EXACT_WIDTH = 9
 
 

@@ -5,9 +5,9 @@ After gpt-fast: the cache is indexed by position, so a rejected draft's slots ar
 by the next step and "cutting back" is setting a length. Shapes never change, so the draft's 1-token
 step and the target's (k+1)-token verification replay as CUDA graphs with no per-kernel launch cost.
 
-At batch 1 a step's cost is its kernel count as much as its bytes (a 0.5B draft moves 1 GB in a
-quarter of a millisecond, but runs ~1000 kernels in eager HF code), so the forward is written for few
-kernels rather than through the HF modules:
+At batch 1 a step's cost is its kernel count as much as its bytes (a small draft's weights stream
+through memory faster than eager HF code launches its many kernels; docs/benchmarks.md has the
+kernels per step), so the forward is written for few kernels rather than through the HF modules:
   - q/k/v and gate/up are each one matmul over weights concatenated once at load (as vLLM's
     QKVParallelLinear and MergedColumnParallelLinear do); the HF modules' parameters become views of
     the fused tensors, so memory is not doubled and the HF model still runs as before;
@@ -107,9 +107,8 @@ class StaticModel:
         self.positions = pos  # [cache_len]
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
-        # exact mode (docs/architecture.md, "Exact mode"): every short step of a row runs at width
-        # max_graph_tokens over the whole cache, so a verification row meets the kernels of a
-        # 1-token step. A drafting runner never needs it.
+        # exact mode: every short step of a row runs at width max_graph_tokens over the whole cache
+        # (see docs/architecture.md, Exact mode). A drafting runner never needs it.
         self.exact = exact
         self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
@@ -164,8 +163,8 @@ class StaticModel:
     # ---- the forward pass ---------------------------------------------------------------------
 
     def _attn_len(self, end: int, exact: bool) -> int:
-        """Cache positions a step attends over: the whole cache in exact mode (a row's rounding may
-        not depend on the step), else the smallest power of two from 256 that holds ``end``."""
+        """Cache positions a step attends over: the whole cache in exact mode (see
+        docs/architecture.md, Exact mode), else the smallest power of two from 256 that holds ``end``."""
         if exact:
             return self.cache_len
         return min(self.cache_len, max(256, 1 << (end - 1).bit_length()))

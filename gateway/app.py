@@ -130,7 +130,8 @@ class GatewayMiddleware:
 
 
 def _state(request: Request) -> GatewayState:
-    return request.app.state.gateway
+    state: GatewayState = request.app.state.gateway  # Starlette's State holds untyped attributes
+    return state
 
 
 async def health(request: Request) -> Response:

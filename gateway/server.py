@@ -129,7 +129,8 @@ class DrainingServer(uvicorn.Server):
             self.gateway.inflight,
             self.drain_timeout_s,
         )
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))  # type: ignore[union-attr]
+        loop = self._loop
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
         self.gateway.drain_started.set()  # uploads still arriving are refused now

@@ -57,9 +57,8 @@ class ModelSettings(_Section):
     # eager | static | cuda_graphs | compile | tensorrt; auto: compile (falling back to cuda_graphs)
     # on a GPU, eager on a CPU
     backend: Literal["auto", "eager", "static", "cuda_graphs", "compile", "tensorrt"] = "auto"
-    # pad every step to one width so greedy speculation is token-identical to target-only decoding in
-    # bf16 as well (false: faster target-only decode on a GPU, identical up to rounding ties); unset:
-    # on wherever padding is cheap (decoding.loader.exact_default)
+    # the static backends' exact mode (see docs/architecture.md, Exact mode); unset: on wherever
+    # padding is cheap (decoding.loader.ModelSpec.exact)
     exact: bool | None = None
 
 

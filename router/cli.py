@@ -36,7 +36,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_router_commands(subparsers: argparse._SubParsersAction) -> None:
+def add_router_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     router = subparsers.add_parser("router", help="the complexity router").add_subparsers(
         dest="router_cmd", required=True
     )

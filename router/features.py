@@ -20,7 +20,7 @@ SCAN_CHARS = 1024  # head and tail of the last user message that cue regexes see
 
 # Cues are matched on words and phrases rather than with one big alternation regex per category:
 # a set lookup per word and a substring search per phrase cost a fraction of what backtracking over
-# dozens of alternatives at every character does (~0.1 ms vs ~1 ms for a 4 kB window).
+# dozens of alternatives at every character does (the routing overhead: docs/benchmarks.md, Router).
 _WORDS = re.compile(r"[a-z_][a-z0-9_]*")
 _ARITH = re.compile(r"\d\s*[-+*/^=]\s*\d")
 

@@ -18,7 +18,7 @@ Exceptions (every httpx exception is translated in `_translated`, nowhere else):
     └── UpstreamStreamBroken      the stream died after its first event
 
 Deliberate: an in-band `{"error": ...}` event from the upstream is yielded like a chunk, not raised:
-it is the upstream's answer and the client should see it (issue 4).
+it is the upstream's answer and the client should see it.
 
 Observed through an optional `UpstreamMetrics` (gateway.observability.Metrics): one `observe_upstream`
 per attempt, by the exception's `outcome` (a stream's when it ends, so its latency runs to the last
@@ -351,7 +351,7 @@ class UpstreamClient:
         if exc.retry_after is not None:
             return min(exc.retry_after, self.settings.timeout_s)
         # Exponential backoff with jitter, so retrying gateways do not stampede a recovering upstream.
-        return self.settings.backoff_s * (2**attempt) * random.uniform(0.5, 1.0)
+        return self.settings.backoff_s * (2.0**attempt) * random.uniform(0.5, 1.0)
 
     def _observe(self, outcome: str, started: float | None = None) -> None:
         """One call's outcome and latency, and the breaker's state after it."""

@@ -10,9 +10,9 @@ the multi-key transactions below stay legal on a cluster:
 Entries expire by their own TTL. Index and bucket members of expired or evicted entries are
 trimmed by score on every write and skipped on read, so nothing ever scans all entries.
 
-Fail open: redis-py's own retries are off (they would multiply the 50 ms budget), each operation
-runs under ``timeout``, and the breaker turns a dead server into immediate misses. Every failure
-surfaces as ``CacheUnavailable``; the cache turns that into a miss or a skipped write. A failed
+Fail open: redis-py's own retries are off (they would multiply the per-operation budget), each
+operation runs under ``timeout``, and the breaker turns a dead server into immediate misses. Every
+failure surfaces as ``CacheUnavailable``; the cache turns that into a miss or a skipped write. A failed
 command (not a refusal by the open circuit) is also reported to ``on_error`` with its operation:
 ``get``, ``search`` (semantic candidates) or ``set`` (a write, eviction included).
 """
@@ -134,12 +134,13 @@ class RedisStore:
             pipe.zremrangebyscore(idx, "-inf", now)
             pipe.expire(idx, ttl_s, gt=True)
             pipe.expire(idx, ttl_s, nx=True)
-            for sig in semantic.signatures if semantic is not None else []:
-                bucket = self._k(tag, "b", semantic.scope, sig)  # type: ignore[union-attr]
-                pipe.zadd(bucket, {key: expires})
-                pipe.zremrangebyscore(bucket, "-inf", now)
-                pipe.expire(bucket, ttl_s, nx=True)  # a new bucket lives as long as its newest member
-                pipe.expire(bucket, ttl_s, gt=True)
+            if semantic is not None:
+                for sig in semantic.signatures:
+                    bucket = self._k(tag, "b", semantic.scope, sig)
+                    pipe.zadd(bucket, {key: expires})
+                    pipe.zremrangebyscore(bucket, "-inf", now)
+                    pipe.expire(bucket, ttl_s, nx=True)  # a new bucket lives as long as its newest member
+                    pipe.expire(bucket, ttl_s, gt=True)
             pipe.zcard(idx)
             size = (await pipe.execute())[-1]
             if size > cap:

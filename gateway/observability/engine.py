@@ -123,7 +123,10 @@ class ObservedEngine:
             span.end()
             return
         ctx = trace.set_span_in_context(span, parent)
-        at = lambda perf: tr.epoch_ns(perf, t0, t0_ns)  # noqa: E731
+
+        def at(perf: float) -> int:
+            return tr.epoch_ns(perf, t0, t0_ns)
+
         attrs: dict[str, Any] = {tr.GEN_AI_RESPONSE_MODEL: model}
         if stats is not None:
             q_end = min(t0 + stats.queue_s, t_end)  # engine-thread times, clamped to what we saw

@@ -2,7 +2,7 @@
 
 - ``OTEL_TRACES_EXPORTER``: ``otlp`` (OTLP over HTTP/protobuf to a collector or Jaeger),
   ``console`` (spans printed to stdout, for development), ``none``, or a comma list. Divergence from
-  the OpenTelemetry default (``otlp``): unset means off, as issue 6 asks, so a plain
+  the OpenTelemetry default (``otlp``): unset means off, so tracing is opt-in and a plain
   ``specgate serve`` never tries to reach a collector.
 - ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``..._HEADERS`` /
   ``..._TIMEOUT``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER`` and
