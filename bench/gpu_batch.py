@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     R: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers_version": transformers.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m bench.gpu_batch" + " --quick" * args.quick + " --no-compile" * args.no_compile,
@@ -331,13 +331,13 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. transformers' static batched generate at the same N
     if not args.quick:
-        R["transformers"] = {}
+        R["transformers_tps"] = {}
         for N in ns:
             try:
-                R["transformers"][N] = hf_generate_tps(target, N, prompts)
+                R["transformers_tps"][N] = hf_generate_tps(target, N, prompts)
             except Exception as exc:
-                R["transformers"][N] = repr(exc)[:200]
-            print(f"transformers N={N}: {R['transformers'][N]}", flush=True)
+                R["transformers_tps"][N] = repr(exc)[:200]
+            print(f"transformers N={N}: {R['transformers_tps'][N]}", flush=True)
             save(R, args.out)
     R["wall_s"] = time.perf_counter() - wall
     save(R, args.out)

@@ -30,7 +30,7 @@ def plot(R: dict[str, Any]) -> None:
             "o-",
             label=f"specgate, speculation {mode}",
         )
-    hf = R.get("transformers", {})
+    hf = R.get("transformers_tps", {})
     pts = [(n, hf[str(n)]) for n in ns if isinstance(hf.get(str(n)), float)]
     if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", label="transformers static batched generate")
@@ -52,11 +52,11 @@ def render(path: str) -> None:
     R = json.loads(Path(path).read_text())
     ns = sorted(int(n) for n in R["engine"])
     E = {int(n): v for n, v in R["engine"].items()}
-    hf = {int(n): v for n, v in R.get("transformers", {}).items()}
+    hf = {int(n): v for n, v in R.get("transformers_tps", {}).items()}
     lines = [
         "## GPU: the batched engine, N concurrent requests",
         "",
-        f"Device: {R['device']}, torch {R['torch']}, transformers {R['transformers']}, Python {R['python']}. "
+        f"Device: {R['device']}, torch {R['torch']}, transformers {R['transformers_version']}, Python {R['python']}. "
         f"Command: `{R['command']}`. Date: {R['date']}. Qwen2.5-7B-shaped target and 0.5B-shaped draft, "
         f"random weights, bf16, {'inductor-compiled layer halves under' if R['compiled'] else ''} CUDA graphs "
         f"keyed by (batch bucket, width, attended length); {R['prompt']}-token prompts, {R['new']} new tokens, greedy, "

@@ -58,8 +58,9 @@ class SpecController:
     def acceptance(self) -> float:
         return self.accepted_w / (self.accepted_w + self.rejected_w)
 
-    def choose_k(self) -> int:
-        """0 means a plain step."""
+    def choose_k(self, may_probe: bool = True) -> int:
+        """0 means a plain step. ``may_probe`` False holds back a probe that is due (in a batch,
+        rows probe together, on the batch's turn: BatchCosts.probe_turn)."""
         self.steps += 1
         if not self.speculate:
             return 0
@@ -70,7 +71,7 @@ class SpecController:
         if self.hopeless():
             return 0
         if self.switched_off:
-            if self.off_steps < self.probe_every or self.hopeless():
+            if self.off_steps < self.probe_every or self.hopeless() or not may_probe:
                 self.off_steps += 1
                 return 0
             self.switched_off, self.off_steps = False, 0
@@ -183,6 +184,15 @@ class BatchCosts:
 
     target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per target pass
     draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
+    # Rows whose speculation is off probe it again together: a probe costs the whole batch its draft
+    # passes and the draft's catch-up, so N rows probing on N different steps would cost N times.
+    probe_period: int = 16
+    steps: int = 0
+
+    def probe_turn(self) -> bool:
+        """True once every ``probe_period`` batched steps: the step on which due probes run."""
+        self.steps += 1
+        return self.steps % self.probe_period == 0
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
         b = _bucket(rows)

@@ -106,6 +106,19 @@ class Sequence:
             self.drafter.release()
 
 
+def read_back(t: torch.Tensor) -> list[int]:
+    """A step's results on the host. On CUDA the copy goes to pinned memory and the wait is an event's,
+    which releases the GIL (``tolist`` on a device tensor would hold it while the GPU finishes), so
+    the server's event loop streams the last step's tokens while this one computes."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = t.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
+
+
 class StepTimer:
     """Draft and verification time of one step. On CUDA the work is asynchronous, so host clocks
     would time kernel launches: events are recorded in-stream and read after the step's one sync."""
@@ -389,8 +402,10 @@ class Engine:
         """Each row's k: its own controller's choice, capped by what pays for the batch as a whole
         (decoding.controller.BatchCosts), and never past max_tokens."""
         wanted = []
+        costs = self._costs(decoding[0]) if decoding else None
+        may_probe = len(decoding) <= 1 or (costs is not None and costs.probe_turn())
         for s in decoding:
-            k = s.controller.choose_k() if s.drafter is not None or s.controller.speculate else 0
+            k = s.controller.choose_k(may_probe) if s.drafter is not None or s.controller.speculate else 0
             remaining = s.request.params.max_tokens - s.completion_tokens
             wanted.append(max(0, min(k, remaining - 1)) if s.drafter is not None else 0)
         if not decoding:
@@ -442,7 +457,7 @@ class Engine:
             parts += [n1[None], cand]
         if not parts:
             return []
-        flat = torch.cat(parts).tolist()  # the one host sync of the step
+        flat = read_back(torch.cat(parts))  # the one host sync of the step
         out: dict[int, tuple[int, list[int]]] = {}
         W, at = batch.width, 0
         if plain:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decoding.controller import SpecController, expected_tokens
+from decoding.controller import BatchCosts, SpecController, expected_tokens
 
 
 def drive(c: SpecController, steps: int, accept_all: bool, t_draft: float, t_target: float) -> list[int]:
@@ -97,3 +97,17 @@ def test_a_drafter_that_stops_itself_gets_k_max_and_is_judged_on_measured_steps(
     bad = SpecController(k_max=8, drafter_stops=True, probe_every=4, min_probe_every=4)
     ks = drive(bad, 30, accept_all=False, t_draft=0.02, t_target=0.1)  # 1 token per 0.26 s
     assert ks[10:].count(0) > len(ks[10:]) * 0.6 and any(k == 8 for k in ks[10:])  # off, probing
+
+
+def test_a_due_probe_waits_for_the_batch_turn():
+    c = SpecController(k_max=8, probe_every=4, min_probe_every=4)
+    c.t_plain, c.t_draft, c.t_verify = 0.01, 0.002, {2: 0.011}
+    c.switched_off, c.off_steps = True, 4  # a probe is due
+    assert c.choose_k(may_probe=False) == 0
+    assert c.switched_off  # still due: it runs on the batch's turn
+    assert c.choose_k(may_probe=True) > 0
+
+
+def test_the_probe_turn_comes_once_a_period():
+    costs = BatchCosts(probe_period=4)
+    assert [costs.probe_turn() for _ in range(8)] == [False, False, False, True] * 2
