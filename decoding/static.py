@@ -124,6 +124,9 @@ class StaticModel:
             if self.fused_attention
             else 0
         )
+        # a one-row step without the fused kernel reads its slot's cache as a view, baked into the
+        # graph, so such graphs are per slot; the fused kernel reads the slot from a buffer
+        self.per_slot_graphs = not self.fused_attention
         self.compiled = compile_step
         self._in: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_in
         self._out: Callable[..., torch.Tensor] = attention_out
@@ -257,7 +260,7 @@ class StaticModel:
         if short and not long and self.graphs_enabled:
             B = _bucket(len(short))
             L = self._batch_len(max(r.start for r in short) + W, exact)
-            key = (B, W, L, short[0].slot if B == 1 else -1)
+            key = (B, W, L, short[0].slot if B == 1 and self.per_slot_graphs else -1)
             graph = self._graphs.get(key)
             if graph is None:
                 graph = self._graphs[key] = _Graph(self, B, W, L, key[3])
@@ -284,7 +287,7 @@ class StaticModel:
         L = self._batch_len(max(starts) + W, exact)
         if self.graphs_enabled:
             Bb = _bucket(B)
-            key = (Bb, W, L, slots[0] if Bb == 1 else -1)
+            key = (Bb, W, L, slots[0] if Bb == 1 and self.per_slot_graphs else -1)
             graph = self._graphs.get(key)
             if graph is None:
                 graph = self._graphs[key] = _Graph(self, Bb, W, L, key[3])
@@ -363,7 +366,7 @@ class StaticModel:
         for B in batch_sizes:
             for W in widths:
                 L = self._batch_len(W, self.exact)
-                slots = [self.scratch] if B == 1 else [-1]
+                slots = [self.scratch] if B == 1 and self.per_slot_graphs else [-1]
                 for s in slots:
                     if (B, W, L, s) not in self._graphs:
                         self._graphs[(B, W, L, s)] = _Graph(self, B, W, L, s)
@@ -437,7 +440,7 @@ class _Graph:
         start_t, slot_t = (t.to(m.device, non_blocking=True) for t in host)
         self.step.ids.view(self.B, W)[:B].copy_(ids)
         self.step.pos.copy_((start_t[:, None] + m.positions[None, :W]).view(-1))
-        if self.B > 1:
+        if self.B > 1 or not m.per_slot_graphs:
             self.step.slots.copy_(slot_t)
         self.step.slot_of.copy_(slot_t.repeat_interleave(W))
         self.graph.replay()
@@ -455,7 +458,7 @@ class _Graph:
         starts, slots = starts.to(m.device, non_blocking=True), slots.to(m.device, non_blocking=True)
         self.step.ids.copy_(ids.view(-1))
         self.step.pos.copy_((starts[:, None] + m.positions[None, :W]).view(-1))
-        if self.B > 1:
+        if self.B > 1 or not m.per_slot_graphs:
             self.step.slots.copy_(slots)
         self.step.slot_of.copy_(slots.repeat_interleave(W))
         self.graph.replay()
