@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             buckets = tuple(b for b in BATCH_BUCKETS if b <= _bucket(N))
             tm.capture(range(1, 2), buckets)
             te.capture(range(1, 2), buckets)
-            dm.capture(range(1, 3), buckets)
+            dm.capture(range(1, 9), buckets)
             # warm-up passes capture this N's graphs (both target modes, the draft) before timing
             asyncio.run(run_requests(engines[id(fast)], requests(N, "off")))
             warm = requests(N, "on")

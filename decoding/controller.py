@@ -51,6 +51,7 @@ class SpecController:
     spec_tokens_w: float = 0.0  # decayed tokens and seconds of speculative steps: their ratio is the
     spec_seconds_w: float = 0.0  # measured rate (a mean of per-step rates would be biased low)
     off_steps: int = 0  # plain steps since the goodput check switched speculation off
+    since_plain: int = 0  # speculative choices since the last remeasuring plain step
     switched_off: bool = False
     steps: int = 0
 
@@ -77,8 +78,12 @@ class SpecController:
             self.switched_off, self.off_steps = False, 0
             self.probing = True
             return self._best_k()[0]  # probe: measure speculation again
-        if self.steps % self.remeasure_every == 0:
-            return 0  # refresh the plain-step time: one noisy sample must not keep speculation on
+        self.since_plain += 1
+        if self.since_plain >= self.remeasure_every and may_probe:
+            # refresh the plain-step time: one noisy sample must not keep speculation on (in a batch,
+            # on the batch's turn, so that the rows' plain steps fall on one step that is plain)
+            self.since_plain = 0
+            return 0
         k, rate = self._best_k()
         if (
             self.t_plain is not None
