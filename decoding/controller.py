@@ -176,15 +176,17 @@ def _bucket(n: int) -> int:
 
 @dataclass
 class BatchCosts:
-    """What a step costs a model's whole batch, measured as steps run, and the cap on k that pays.
+    """What a step costs a model's whole batch, measured as steps run, and the k that pays for it.
 
-    Each request's controller picks its own k from its acceptance and its timings. Once requests
-    share a forward pass, their drafts also cost the others: verification grows with B x (k+1) rows
-    once the batch is large enough to be compute-bound, so speculation that pays at B = 1 loses at
-    B = 64 (vLLM reports it 1.4-1.8x slower than none at high request rates). ``best_cap`` caps every
-    row's k at the value that maximises the batch's expected tokens per second, from measured
-    target step times by rows in the step and draft step times by batch size; 0 turns speculation
-    off for the step.
+    Alone, a request's own SpecController decides. In a batch the rows draft in lockstep (a step runs
+    as many draft passes as its longest proposal) and share one verification, so the cost of a k is
+    the batch's, not a row's: a row drafting 1 while others draft 4 costs nothing more, and a row
+    switched off saves nothing while others draft. Verification also grows with B x (k+1) rows once
+    the batch is large enough to be compute-bound, so speculation that pays at B = 1 loses at B = 64
+    (vLLM reports it 1.4-1.8x slower than none at high request rates). ``best_k`` chooses one k for
+    the adaptive rows, the one that maximises the batch's expected tokens per second from every
+    row's acceptance estimate, the target's measured step time by rows in the step and the draft's
+    by batch size; 0 turns speculation off for the step.
     """
 
     target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per target pass
@@ -193,11 +195,13 @@ class BatchCosts:
     # passes and the draft's catch-up, so N rows probing on N different steps would cost N times.
     probe_period: int = 16
     steps: int = 0
+    backoff: int = 1  # the period's multiplier: doubles while probes find speculation still not paying
+    max_backoff: int = 8
 
     def probe_turn(self) -> bool:
-        """True once every ``probe_period`` batched steps: the step on which due probes run."""
+        """True once every ``probe_period`` x ``backoff`` batched steps: the step on which due probes run."""
         self.steps += 1
-        return self.steps % self.probe_period == 0
+        return self.steps % (self.probe_period * self.backoff) == 0
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
         b = _bucket(rows)
@@ -229,24 +233,28 @@ class BatchCosts:
         b = _bucket(batch)
         return self.draft.get(b) or self.draft[min(self.draft, key=lambda x: abs(x - b))]
 
-    def best_cap(self, rows: list[tuple[int, float, bool]]) -> int:
-        """rows: (k the request wants, its acceptance estimate, drafts with a model) per decoding
-        row. Alone, a request's own controller has decided; in a batch, the cap on k with the best
-        expected tokens per second of the whole step."""
-        wanted = max((k for k, _, _ in rows), default=0)
-        if len(rows) <= 1 or wanted == 0:
-            return wanted
+    def best_k(self, rows: list[tuple[float, bool, int]], draft_cost_prior: float, probe: bool) -> int:
+        """rows: (acceptance estimate, drafts with a model, the most it may draft) per adaptive row.
+        With nothing measured yet, the step is plain (it measures what speculation must beat); when
+        no k pays, 0, except on a probe turn, which drafts 2 to refresh the estimates."""
         B = len(rows)
-        best_cap, best_rate = wanted, -1.0
+        k_max = max((k for _, _, k in rows), default=0)
+        t_plain = self.t_target(B)
+        if k_max == 0 or t_plain is None:
+            return 0
+        model = any(m for _, m, _ in rows)
         t_draft = self.t_draft(B)
-        for cap in range(wanted + 1):
-            t = self.t_target(B * (cap + 1))
-            if t is None:
-                return wanted  # nothing measured yet
-            if cap and any(model and k for k, _, model in rows):
-                t += cap * (t_draft if t_draft is not None else 0.0)
-            tokens = sum(expected_tokens(a, min(k, cap)) for k, a, _ in rows)
-            rate = tokens / t if t > 0 else float("inf")
-            if rate > best_rate * 1.0001:  # ties go to the smaller cap: fewer wasted rows
-                best_cap, best_rate = cap, rate
-        return best_cap
+        if t_draft is None:
+            t_draft = draft_cost_prior * t_plain
+        best_k, best_rate = 0, B / t_plain
+        for k in range(1, k_max + 1):
+            t = (self.t_target(B * (k + 1)) or t_plain) + (k * t_draft if model else 0.0)
+            rate = sum(expected_tokens(a, min(k, cap)) for a, _, cap in rows) / t
+            if rate > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted rows
+                best_k, best_rate = k, rate
+        if best_k > 0:
+            self.backoff = 1
+        elif probe:
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+            return min(2, k_max)
+        return best_k

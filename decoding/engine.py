@@ -305,9 +305,12 @@ class Engine:
         if decoding:
             self._costs(seqs[0]).observe(len(decoding), batch.ids.numel(), batch.width - 1, t_draft, t_target)
             self.total_steps += 1
+        passes = batch.width - 1  # draft passes this step ran: rows draft in lockstep up to the longest
         for b, (s, (n, cand)) in enumerate(zip(decoding, results, strict=True)):
             kk = batch.n_drafts[b]
-            outs[id(s)] = self._commit(s, kk, n, cand, logits[b, : kk + 1], t_draft, t_target)
+            # a row's draft time is its kk passes' share: the others' longer proposals are not its cost
+            share = t_draft * kk / passes if passes else 0.0
+            outs[id(s)] = self._commit(s, kk, n, cand, logits[b, : kk + 1], share, t_target)
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
@@ -399,24 +402,36 @@ class Engine:
         return self.costs.setdefault(seq.target.name, BatchCosts())
 
     def _choose_ks(self, decoding: list[Sequence]) -> list[int]:
-        """Each row's k: its own controller's choice, capped by what pays for the batch as a whole
-        (decoding.controller.BatchCosts), and never past max_tokens."""
-        wanted = []
-        costs = self._costs(decoding[0]) if decoding else None
-        may_probe = len(decoding) <= 1 or (costs is not None and costs.probe_turn())
-        for s in decoding:
-            k = s.controller.choose_k(may_probe) if s.drafter is not None or s.controller.speculate else 0
-            remaining = s.request.params.max_tokens - s.completion_tokens
-            wanted.append(max(0, min(k, remaining - 1)) if s.drafter is not None else 0)
+        """Each row's k, never past max_tokens. Alone: its own controller's choice. In a batch: one k
+        for every adaptive row, the one that pays for the batch as a whole (BatchCosts.best_k);
+        rows with a fixed k keep it."""
         if not decoding:
             return []
-        cap = self._costs(decoding[0]).best_cap(
-            [
-                (k, s.controller.acceptance, isinstance(s.drafter, DraftModelDrafter))
-                for s, k in zip(decoding, wanted, strict=True)
-            ]
-        )
-        return [min(k, cap) if s.controller.adaptive else k for s, k in zip(decoding, wanted, strict=True)]
+        costs = self._costs(decoding[0])
+        adaptive = [
+            s for s in decoding if s.drafter is not None and s.controller.speculate and s.controller.adaptive
+        ]
+        shared = 0
+        if len(decoding) >= 2 and adaptive:
+            shared = costs.best_k(
+                [
+                    (s.controller.acceptance, isinstance(s.drafter, DraftModelDrafter), s.controller.k_max)
+                    for s in adaptive
+                ],
+                max(s.controller.draft_cost_prior for s in adaptive),
+                probe=costs.probe_turn(),
+            )
+        ks = []
+        for s in decoding:
+            if s.drafter is None:
+                k = 0
+            elif len(decoding) >= 2 and s in adaptive:
+                k = min(shared, s.controller.k_max)
+            else:
+                k = s.controller.choose_k()
+            remaining = s.request.params.max_tokens - s.completion_tokens
+            ks.append(max(0, min(k, remaining - 1)))
+        return ks
 
     def _verify(
         self,

@@ -244,17 +244,28 @@ def test_duplicate_request_ids_do_not_collide(tiny_models):
     assert [t for t, _ in results] == expected
 
 
-def test_batch_costs_cap_k_where_the_batch_is_compute_bound():
+def test_batch_costs_choose_no_speculation_where_the_batch_is_compute_bound():
     from decoding.controller import BatchCosts
 
     costs = BatchCosts()
     # memory-bound up to 16 rows, then each row costs as much as the whole step did
     for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         costs.observe(1, rows, 0, 0.0, 0.01 * max(1.0, rows / 16))
-    costs.observe(1, 2, 1, 0.002, 0.01)
-    alone = costs.best_cap([(6, 0.8, True)])
-    assert alone == 6  # a request alone keeps its own controller's k
-    small = costs.best_cap([(6, 0.8, True)] * 2)
-    large = costs.best_cap([(6, 0.8, True)] * 64)
+    costs.observe(2, 2, 1, 0.002, 0.01)
+    small = costs.best_k([(0.8, True, 6)] * 2, 0.1, probe=False)
+    large = costs.best_k([(0.8, True, 6)] * 64, 0.1, probe=False)
     assert small >= 3
     assert large == 0  # 64 rows x (k+1) is past the knee: speculation would slow the batch
+    assert costs.best_k([(0.8, True, 6)] * 64, 0.1, probe=True) == 2  # a probe turn still measures
+
+
+def test_batch_costs_weigh_every_rows_acceptance():
+    from decoding.controller import BatchCosts
+
+    costs = BatchCosts()
+    for rows in (4, 8, 16, 32):
+        costs.observe(4, rows, 0, 0.0, 0.01)
+    costs.observe(4, 4, 1, 0.003, 0.01)
+    assert costs.best_k([(0.05, True, 8)] * 4, 0.1, probe=False) == 0  # drafts nobody keeps
+    assert costs.best_k([(0.9, True, 8)] * 4, 0.1, probe=False) >= 3
+    assert costs.best_k([(0.9, False, 8)] * 4, 0.1, probe=False) == 8  # prompt lookup drafts for free
