@@ -15,12 +15,12 @@ Exact mode (target runners; docs/architecture.md, "The llama.cpp backend", has t
 llama.cpp's CPU kernels round a token's logits differently depending on how it was batched, so
 settings and step shapes are chosen for every verification row to compute exactly what a one-token
 step computes:
-  - weight repacking off (``use_extra_bufts = False``, llama-server's ``--no-repack``): the repacked
-    Q4_K kernels differ between one row and four or more;
+  - steps of at most ``exact_step`` tokens: 3 with weights repacked (llama.cpp's default, and faster
+    here: the repacked Q4_K kernels are a GEMV up to 3 rows and a GEMM that rounds otherwise from 4),
+    7 with repacking off (``use_extra_bufts = False``; rows of 8+ rounded otherwise in some runs);
   - flash attention on, with a q8_0 KV cache: with an f16 cache a one-token step over 512 or more
     cached positions takes a split-KV attention path that rows of several tokens never take;
-  - at most ``EXACT_STEP`` tokens a row (a sequence's step of 8 or more rounds otherwise), and each
-    sequence's row decoded on its own, as it would be alone (a batch of several sequences is split
+  - each sequence's row decoded on its own, as it would be alone (a batch of several sequences is split
     by llama.cpp in ways that moved the rounding);
   - one KV stream per sequence (``kv_unified = False``): a sequence's cells are its positions, so its
     attention sums in one order whatever runs beside it.
@@ -45,7 +45,8 @@ from decoding.runner import Row, Tokens, Want
 
 log = logging.getLogger("specgate.llamacpp")
 
-EXACT_STEP = 7  # the widest row exact mode runs: rows of 8+ tokens round otherwise (module docstring)
+# the widest row exact mode runs, by whether weights are repacked (module docstring)
+EXACT_STEP = {True: 3, False: 7}
 
 EXTRA_HINT = "pip install 'specgate[llamacpp]'"
 
@@ -86,7 +87,7 @@ class LlamaCppModel:
         max_len: int,
         slots: int = 1,
         threads: int | None = None,
-        repack: bool = False,
+        repack: bool = True,
         flash_attn: bool = True,
         unified_kv: bool = False,
         n_batch: int = 512,
@@ -97,6 +98,7 @@ class LlamaCppModel:
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
         mp.use_extra_bufts = repack
+        self.exact_step = EXACT_STEP[repack]
         self.model = lib.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
@@ -178,8 +180,8 @@ class LlamaCppModel:
         if not exact:
             return self._rows(rows)
         for r in rows:
-            assert r.logits != "all" or int(r.tokens.shape[0]) <= EXACT_STEP, (
-                f"an exact row of {r.tokens.shape[0]} tokens (at most {EXACT_STEP})"
+            assert r.logits != "all" or int(r.tokens.shape[0]) <= self.exact_step, (
+                f"an exact row of {r.tokens.shape[0]} tokens (at most {self.exact_step})"
             )
         return [self._rows([r])[0] for r in rows]  # one decode per sequence: as it would run alone
 
@@ -272,7 +274,7 @@ class LlamaCppRunner:
     @property
     def max_step_tokens(self) -> int | None:
         """Exact mode: the widest step that still rounds as one-token steps do."""
-        return EXACT_STEP if self.exact else None
+        return self.m.exact_step if self.exact else None
 
     def advance(self, n: int) -> int:
         """The position of this sequence's next token, before ``n`` more are appended by the next
@@ -290,10 +292,11 @@ class LlamaCppRunner:
 
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
         ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
-        if not (logits and self.exact and ids.shape[0] > EXACT_STEP):
+        step = self.m.exact_step
+        if not (logits and self.exact and ids.shape[0] > step):
             return self.m.forward_rows([self.row(ids, "all" if logits else "none")], self.exact)[0]
-        # logits of a long run in exact mode: steps of EXACT_STEP (a caller's check, not the engine's way)
-        chunks = [ids[s : s + EXACT_STEP] for s in range(0, ids.shape[0], EXACT_STEP)]
+        # logits of a long run in exact mode: steps of exact_step (a caller's check, not the engine's way)
+        chunks = [ids[s : s + step] for s in range(0, ids.shape[0], step)]
         return torch.cat(
             [t for c in chunks if (t := self.m.forward_rows([self.row(c)], True)[0]) is not None]
         )

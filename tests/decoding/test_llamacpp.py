@@ -5,12 +5,10 @@ speculation is token-identical to target-only decoding on the same runner."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
 
-from decoding import engine as engine_module
 from decoding import loader, store
 from decoding.engine import Engine
 from decoding.errors import ModelLoadError
@@ -97,25 +95,29 @@ def test_greedy_speculation_is_token_identical_to_target_only(pair, kind):
     assert stats.spec_steps > 0 and stats.accepted > 0  # verification of several tokens did happen
 
 
+@pytest.mark.parametrize("repack", [True, False], ids=["repacked", "not-repacked"])
 @pytest.mark.parametrize("context", ["short", "past 512 positions"])
 @pytest.mark.slow
 @needs_llamacpp
-def test_verification_rows_equal_one_token_steps_bit_for_bit(pair, context):
+def test_verification_rows_equal_one_token_steps_bit_for_bit(pair, context, repack):
     """The property speculation's losslessness rests on (docs/architecture.md, "The llama.cpp
-    backend"): every row of an exact step of up to EXACT_STEP tokens has exactly the logits of
+    backend"): every row of an exact step (up to ``max_step_tokens``) has exactly the logits of
     one-token steps, also where a one-token step over an f16 cache would take another path."""
-    from decoding.llamacpp import EXACT_STEP
+    from decoding.llamacpp import LlamaCppModel
 
     m = pair["target"]
-    code = Path(engine_module.__file__).read_text()[: 2600 if context != "short" else 200]
+    llama = m.model.llama if repack else LlamaCppModel(store.gguf_file(PAIR[0]), 2048, 2, repack=False)
+    code = "".join(
+        f"def f{i}(x):\n    return x * {i} + 1\n\n" for i in range(60 if context != "short" else 3)
+    )
     ids = _chat(m.tokenizer, ["Summarise this code:\n" + code])
     assert (len(ids) > 512) == (context != "short")
-    one, many = m.runner_factory(m.model), m.runner_factory(m.model)
+    one, many = llama.runner(), llama.runner()
     try:
         one.forward(ids[:-1], logits=False)
         many.forward(ids[:-1], logits=False)
-        steps = [ids[-1], 785, 2038, 374, 264, 1140, 11][:EXACT_STEP]  # any tokens: logits, not text
-        singles = torch.cat([one.forward([t]) for t in steps])  # [7, V]
+        steps = [ids[-1], 785, 2038, 374, 264, 1140, 11][: many.max_step_tokens]  # logits, not text
+        singles = torch.cat([one.forward([t]) for t in steps])  # [max_step_tokens, V]
         for width in range(2, len(steps) + 1):
             many.crop(len(ids) - 1)
             rows = many.forward(steps[:width])  # [width, V]
@@ -125,6 +127,8 @@ def test_verification_rows_equal_one_token_steps_bit_for_bit(pair, context):
     finally:
         one.release()
         many.release()
+        if not repack:
+            llama.close()
 
 
 @pytest.mark.slow
@@ -159,7 +163,7 @@ def test_two_sequences_batched_compute_what_each_computes_alone(pair):
     a_ids = _chat(m.tokenizer, PROMPTS["code"])
     b_ids = _chat(m.tokenizer, PROMPTS["cjk"])
     alone = []
-    for ids, tail in ((a_ids, [1, 2, 3, 4]), (b_ids, [5])):
+    for ids, tail in ((a_ids, [1, 2, 3]), (b_ids, [5])):
         r = m.runner_factory(m.model)
         r.forward(ids, logits=False)
         alone.append(r.forward(tail))
@@ -168,10 +172,10 @@ def test_two_sequences_batched_compute_what_each_computes_alone(pair):
     try:
         # prefill rows of different lengths in one pass, then a verification row beside a decode row
         llama.forward_rows([ra.row(a_ids, "none"), rb.row(b_ids, "none")], exact=True)
-        ids = torch.zeros(2, 4, dtype=torch.long)
-        ids[0], ids[1, 0] = torch.tensor([1, 2, 3, 4]), 5
-        starts = [ra.advance(4), rb.advance(1)]
-        out = llama.forward_batch([ra.slot, rb.slot], starts, ids, exact=True)  # [2, 4, V]
+        ids = torch.zeros(2, 3, dtype=torch.long)
+        ids[0], ids[1, 0] = torch.tensor([1, 2, 3]), 5
+        starts = [ra.advance(3), rb.advance(1)]
+        out = llama.forward_batch([ra.slot, rb.slot], starts, ids, exact=True)  # [2, 3, V]
         assert torch.equal(out[0], alone[0])
         assert torch.equal(out[1, :1], alone[1])
     finally:
