@@ -378,8 +378,8 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
         "Q4_K steps are compute-bound, so verifying k+1 tokens costs about k+1 one-token steps' worth less "
         "a little, and the controller keeps speculation off most of the time (`acc` is over the few steps "
         "it drafted); exact mode caps a step at 3 tokens with repacked weights. Target-only decode trails "
-        "llama-server although the engine's own work around each `llama_decode` is small (see the "
-        "architecture notes for the measured split). llama.cpp's own draft "
+        "llama-server; how much of that is llama.cpp's step under our settings and how much the "
+        "engine's work around each `llama_decode` was not measured apart. llama.cpp's own draft "
         "speculation is slower than its target-only decode on every prompt here, for the same reason. "
         "llama.cpp outputs marked `differs` are its own numerics (f16 KV) against ours (q8_0 KV), not a "
         "speculation error: its target-only and draft outputs also differ from each other.",
