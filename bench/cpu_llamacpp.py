@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         for m in names:
             row[m]["identical"] = row[m]["tokens"] == row["specgate target-only"]["tokens"]
     meta = {
+        "stamp": stamp(),  # the run's machine, command, date and commit (a --render keeps them)
         "load_s": load_s,
         "threads": threads,
         "reference": reference,
@@ -305,7 +306,7 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
     lines = [
         "## CPU: specgate on llama.cpp against llama.cpp's server (real pair)",
         "",
-        stamp(),
+        meta.get("stamp") or stamp(),
         "",
         f"CPU: {cpu_line()}. llama-cpp-python {meta['llama_cpp_python']} (llama.cpp vendored in it, built "
         f"from the sdist with `-DGGML_NATIVE=ON`), {meta['threads']} threads. The machine was shared with "
@@ -313,7 +314,8 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
         "are interleaved per prompt, each llama.cpp configuration runs after them in its own server process.",
         "",
         "Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft, the pinned Q4_K_M GGUFs as they ship, greedy, up to "
-        "128 new tokens, chat template. specgate: `backend: llamacpp` (repacking off, decoding/llamacpp.py). "
+        "128 new tokens, chat template. specgate: `backend: llamacpp` in exact mode (repacked weights, flash attention, q8_0 KV, steps of at "
+        "most 3 tokens; decoding/llamacpp.py). "
         + (
             f"Reference: llama.cpp's `llama-server` ({meta['server']}) built from the same vendored sources, "
             "default settings (repacked kernels), one slot, `cache_prompt: false`, streamed; its draft run adds "
@@ -382,7 +384,7 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
         "engine's work around each `llama_decode` was not measured apart. llama.cpp's own draft "
         "speculation is slower than its target-only decode on every prompt here, for the same reason. "
         "llama.cpp outputs marked `differs` are its own numerics (f16 KV) against ours (q8_0 KV), not a "
-        "speculation error: its target-only and draft outputs also differ from each other.",
+        "speculation error: on some prompts its draft output also differs from its own target-only output.",
     ]
     return "\n".join(lines)
 
