@@ -38,7 +38,7 @@ class ModelSpec:
     name: str  # served name
     source: str  # alias, directory, .gguf file or hub id
     draft: str | None = None  # served name of another model used as this one's draft
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and CPU, float32 where bf16 is unsupported
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU measured at start (loader.cpu_auto_dtype)
     device: str = "auto"
     max_context: int | None = None
     # how steps run: eager (DynamicCache), static (static cache), cuda_graphs (static + graphs),
@@ -93,7 +93,7 @@ def pick_device(device: str) -> torch.device:
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        return torch.bfloat16
+        return cpu_auto_dtype() if device.type == "cpu" else torch.bfloat16
     try:
         value = getattr(torch, dtype)
     except AttributeError:
@@ -283,6 +283,44 @@ def cpu_bf16_features() -> list[str]:
         return []
     flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
     return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+
+
+def _linear_seconds(dtype: torch.dtype, rows: int, d: int = 1536, reps: int = 5) -> float:
+    """Median seconds of one [rows, d] x [d, 4d] matmul (a 1.5B's MLP shape) on this CPU."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4 * d, d, generator=g).to(dtype)
+    x = torch.randn(rows, d, generator=g).to(dtype)
+    times = []
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)  # warm-up: kernel selection, thread pool
+        for _ in range(reps):
+            t = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache
+def cpu_auto_dtype() -> torch.dtype:
+    """``dtype: auto`` on the torch CPU path, chosen once by measuring (issue 14): bf16 where an 8-row
+    bf16 matmul (prefill chunks, verification) is no slower than float32's, float32 where bf16 runs
+    its rows one by one (CPUs without bf16 matrix instructions), which made a 110-token prompt's first
+    token 4x slower in bf16 there. Logged with the numbers. One-row decode is then float32's, slower
+    in bytes: the trade the issue measured (TTFT 15.7 s -> 4 s, decode 3.3 -> 1.5 tok/s)."""
+    b1, b8 = _linear_seconds(torch.bfloat16, 1), _linear_seconds(torch.bfloat16, 8)
+    f8 = _linear_seconds(torch.float32, 8)
+    picked = torch.bfloat16 if b8 <= f8 else torch.float32
+    log.info(
+        "dtype auto on this CPU: %s (8-row matmul: bf16 %.2f ms, %.1fx its 1-row %.2f ms; float32 %.2f ms; "
+        "bf16 matrix instructions: %s)",
+        "bfloat16" if picked == torch.bfloat16 else "float32, bf16 runs rows one by one here",
+        b8 * 1e3,
+        b8 / b1,
+        b1 * 1e3,
+        f8 * 1e3,
+        ", ".join(cpu_bf16_features()) or "none",
+    )
+    return picked
 
 
 def resolve_backend(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:
