@@ -4,7 +4,9 @@ section of docs/benchmarks.md (and its plot).
   - on a CUDA machine: the GPU fast path and speculation at controlled acceptance (``bench.gpu``),
     real architectures at real sizes with random weights;
   - wherever the real pair is in the model store (``make models`` pulls it): the CPU engine benchmark
-    on the real pair (``bench.cpu_engine``) and the draft-confidence sweep (``bench.cpu_confidence``).
+    on the real pair (``bench.cpu_engine``) and the draft-confidence sweep (``bench.cpu_confidence``);
+    with the llamacpp extra installed, specgate on llama.cpp against llama.cpp's own server
+    (``bench.cpu_llamacpp``).
 
     python -m bench [--quick]
 """
@@ -37,6 +39,15 @@ def main() -> None:
 
         cpu_confidence.main([])
         ran.append("cpu-draft-confidence")
+        from decoding import llamacpp
+
+        if llamacpp.available():
+            from bench import cpu_llamacpp
+
+            cpu_llamacpp.main([])
+            ran.append("cpu-llamacpp")
+        else:
+            print(f"llama-cpp-python not installed ({llamacpp.EXTRA_HINT}): llama.cpp benchmark skipped")
     else:
         print("real pair not in the model store (`make models`): CPU engine benchmark skipped")
     if not ran:

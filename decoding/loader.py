@@ -7,13 +7,23 @@ model (built on first use), a local Hugging Face directory, a local ``.gguf`` fi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from decoding import store, tiny
 from decoding.engine import LoadedModel, RunnerFactory
@@ -28,13 +38,15 @@ class ModelSpec:
     name: str  # served name
     source: str  # alias, directory, .gguf file or hub id
     draft: str | None = None  # served name of another model used as this one's draft
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and CPU, float32 where bf16 is unsupported
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on a CPU measured at start (loader.cpu_auto_dtype)
     device: str = "auto"
     max_context: int | None = None
     # how steps run: eager (DynamicCache), static (static cache), cuda_graphs (static + graphs),
     # compile (static + each layer compiled by inductor, under CUDA graphs on CUDA), tensorrt (the
-    # `tensorrt` extra); auto: compile on CUDA (cuda_graphs if compiling fails), static on a CPU
-    # (eager for architectures the static layer does not cover); only static backends batch requests
+    # `tensorrt` extra), llamacpp (the GGUF as it ships, in llama.cpp: the `llamacpp` extra); auto:
+    # compile on CUDA (cuda_graphs if compiling fails); on a CPU llamacpp for a GGUF source with dtype
+    # auto where the extra is installed, else static (eager for architectures the static layer does
+    # not cover); the static backends and llamacpp batch requests
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
     # static backends: exact mode, every decode and verification step at one padded width
@@ -43,7 +55,7 @@ class ModelSpec:
     exact: bool | None = None
 
 
-BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt")
+BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt", "llamacpp")
 STATIC_CONTEXT = 8192  # static backends' default max_context (attention reads the whole cache each step)
 
 
@@ -80,7 +92,7 @@ def pick_device(device: str) -> torch.device:
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        return torch.bfloat16
+        return cpu_auto_dtype() if device.type == "cpu" else torch.bfloat16
     try:
         value = getattr(torch, dtype)
     except AttributeError:
@@ -92,8 +104,10 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     t0 = time.perf_counter()
-    where, gguf = resolve(spec.source, pull=pull)
     device = pick_device(spec.device)
+    if use_llamacpp(spec, device):
+        return load_llamacpp(spec, pull)
+    where, gguf = resolve(spec.source, pull=pull)
     dtype = pick_dtype(spec.dtype, device)
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
@@ -133,11 +147,97 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     )
 
 
+def gguf_backed(source: str) -> bool:
+    """Whether ``source`` is a GGUF: a pinned alias (they ship as GGUF) or a .gguf file."""
+    return store.canonical(source) in store.PINNED or Path(source).suffix == ".gguf"
+
+
+@functools.cache
+def _llamacpp_installed() -> bool:
+    """The llamacpp extra's presence, logged once per process when ``auto`` would have used it."""
+    from decoding import llamacpp
+
+    if llamacpp.available():
+        return True
+    log.info(
+        "llama-cpp-python is not installed: GGUF models run dequantised on the torch CPU path; "
+        "for llama.cpp's kernels on the GGUF as it ships: %s",
+        llamacpp.EXTRA_HINT,
+    )
+    return False
+
+
+def use_llamacpp(spec: ModelSpec, device: torch.device) -> bool:
+    """``llamacpp`` asked for, or ``auto`` on a CPU for a GGUF source at the default dtype (an
+    explicit dtype asks for the torch path's numerics) with the extra installed."""
+    if spec.backend == "llamacpp":
+        if device.type != "cpu":
+            raise ModelLoadError(f"model '{spec.name}': backend llamacpp runs on the CPU, not {device}")
+        if not gguf_backed(spec.source):
+            raise ModelLoadError(
+                f"model '{spec.name}': backend llamacpp needs a GGUF source, not {spec.source}"
+            )
+        return True
+    return (
+        spec.backend == "auto"
+        and device.type == "cpu"
+        and spec.dtype == "auto"
+        and gguf_backed(spec.source)
+        and _llamacpp_installed()
+    )
+
+
+def load_llamacpp(spec: ModelSpec, pull: bool = True) -> LoadedModel:
+    """The GGUF in llama.cpp; tokenizer and config from the converted directory (a pinned alias)
+    or from the GGUF itself. No transformers weights are loaded."""
+    from decoding.llamacpp import GGUFInfo, LlamaCppModel
+
+    t0 = time.perf_counter()
+    where, gguf = resolve(spec.source, pull=pull)
+    alias = store.canonical(spec.source)
+    path = store.gguf_file(alias) if alias in store.PINNED else Path(where) / str(gguf)
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
+    generation = None  # a bare GGUF carries none; the converted directory has the model's own
+    if not gguf:
+        with contextlib.suppress(OSError, ValueError):
+            generation = GenerationConfig.from_pretrained(where)
+    config_ctx = int(getattr(config, "max_position_embeddings", None) or 4096)
+    max_context = spec.max_context or min(config_ctx, STATIC_CONTEXT)
+    llama = LlamaCppModel(path, max_len=max_context, slots=spec.slots)
+    info = GGUFInfo(llama, config, generation)
+    log.info(
+        "loaded %s from %s on llama.cpp (%d threads, %d slots of %d tokens) in %.1fs",
+        spec.name,
+        path,
+        llama.threads,
+        spec.slots,
+        max_context,
+        time.perf_counter() - t0,
+    )
+    return LoadedModel(
+        name=spec.name,
+        model=cast(PreTrainedModel, info),  # the engine reads device, vocabulary and size of it
+        tokenizer=tokenizer,
+        draft=spec.draft,
+        max_context=max_context,
+        eos_token_ids=_eos_ids(info, tokenizer),
+        runner_factory=llama.runner,
+        draft_runner_factory=llama.draft_runner,
+    )
+
+
 def runner_factories(
     spec: ModelSpec, model: PreTrainedModel, device: torch.device, max_context: int
 ) -> tuple[RunnerFactory, RunnerFactory]:
     """The runner factory for serving the model, and the one for drafting with it."""
     backend = resolve_backend(spec, device, model.dtype)
+    if backend == "llamacpp":
+        raise ModelLoadError(f"model '{spec.name}': backend llamacpp is loaded by load_llamacpp")
     if backend == "eager":
         return EagerRunner, EagerRunner
     if backend == "tensorrt":
@@ -182,6 +282,44 @@ def cpu_bf16_features() -> list[str]:
         return []
     flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
     return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+
+
+def _linear_seconds(dtype: torch.dtype, rows: int, d: int = 1536, reps: int = 5) -> float:
+    """Median seconds of one [rows, d] x [d, 4d] matmul (a 1.5B's MLP shape) on this CPU."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4 * d, d, generator=g).to(dtype)
+    x = torch.randn(rows, d, generator=g).to(dtype)
+    times = []
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)  # warm-up: kernel selection, thread pool
+        for _ in range(reps):
+            t = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache
+def cpu_auto_dtype() -> torch.dtype:
+    """``dtype: auto`` on the torch CPU path, chosen once by measuring (issue 14): bf16 where an 8-row
+    bf16 matmul (prefill chunks, verification) is no slower than float32's, float32 where bf16 runs
+    its rows one by one (CPUs without bf16 matrix instructions), which made a 110-token prompt's first
+    token 4x slower in bf16 there. Logged with the numbers. One-row decode is then float32's, slower
+    in bytes: the trade the issue measured (TTFT 15.7 s -> 4 s, decode 3.3 -> 1.5 tok/s)."""
+    b1, b8 = _linear_seconds(torch.bfloat16, 1), _linear_seconds(torch.bfloat16, 8)
+    f8 = _linear_seconds(torch.float32, 8)
+    picked = torch.bfloat16 if b8 <= f8 else torch.float32
+    log.info(
+        "dtype auto on this CPU: %s (8-row matmul: bf16 %.2f ms, %.1fx its 1-row %.2f ms; float32 %.2f ms; "
+        "bf16 matrix instructions: %s)",
+        "bfloat16" if picked == torch.bfloat16 else "float32, bf16 runs rows one by one here",
+        b8 * 1e3,
+        b8 / b1,
+        b1 * 1e3,
+        f8 * 1e3,
+        ", ".join(cpu_bf16_features()) or "none",
+    )
+    return picked
 
 
 def resolve_backend(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> str:

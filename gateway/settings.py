@@ -54,9 +54,10 @@ class ModelSettings(_Section):
     dtype: str = "auto"
     device: str = "auto"
     max_context: int | None = Field(default=None, ge=2)
-    # eager | static | cuda_graphs | compile | tensorrt; auto: compile (falling back to cuda_graphs)
-    # on a GPU, eager on a CPU
-    backend: Literal["auto", "eager", "static", "cuda_graphs", "compile", "tensorrt"] = "auto"
+    # eager | static | cuda_graphs | compile | tensorrt | llamacpp; auto: compile (falling back to
+    # cuda_graphs) on a GPU; on a CPU llamacpp for a GGUF at dtype auto where the `llamacpp` extra is
+    # installed, else static (decoding.loader.ModelSpec.backend)
+    backend: Literal["auto", "eager", "static", "cuda_graphs", "compile", "tensorrt", "llamacpp"] = "auto"
     # the static backends' exact mode (see docs/architecture.md, Exact mode); unset: on wherever
     # padding is cheap (decoding.loader.ModelSpec.exact)
     exact: bool | None = None

@@ -1,0 +1,337 @@
+"""The llama.cpp backend: a GGUF evaluated by llama.cpp itself, quantised as it ships (the pinned
+Q4_K_M files), through llama-cpp-python's low-level API (the ``llamacpp`` extra).
+
+    LlamaCppModel   one GGUF: a llama context whose KV memory holds ``slots`` sequences (seq id =
+                    slot), and the forward pass over several of them in one ``llama_decode``
+    LlamaCppRunner  one sequence on one slot (the SequenceRunner the engine drives)
+    GGUFInfo        what the engine reads of a resident model (device, vocabulary, parameter count),
+                    standing in for the transformers model this backend never loads
+
+The engine keeps drafting, verification, routing and streaming; llama.cpp only computes logits, at
+every position a step asks for. Cutting back is ``llama_memory_seq_rm`` of the positions past the
+committed length.
+
+Exact mode (target runners; docs/architecture.md, "The llama.cpp backend", has the measurements):
+llama.cpp's CPU kernels round a token's logits differently depending on how it was batched, so
+settings and step shapes are chosen for every verification row to compute exactly what a one-token
+step computes:
+  - steps of at most ``exact_step`` tokens: 3 with weights repacked (llama.cpp's default, and faster
+    here: the repacked Q4_K kernels are a GEMV up to 3 rows and a GEMM that rounds otherwise from 4),
+    7 with repacking off (``use_extra_bufts = False``; rows of 8+ rounded otherwise in some runs);
+  - flash attention on, with a q8_0 KV cache: with an f16 cache a one-token step over 512 or more
+    cached positions takes a split-KV attention path that rows of several tokens never take;
+  - each sequence's row decoded on its own, as it would be alone (a batch of several sequences is split
+    by llama.cpp in ways that moved the rounding);
+  - one KV stream per sequence (``kv_unified = False``): a sequence's cells are its positions, so its
+    attention sums in one order whatever runs beside it.
+Draft runners skip the step cap and batch freely: their rounding changes proposals, never output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from decoding.errors import ModelLoadError, NoFreeSlot
+from decoding.runner import Row, Tokens, Want
+
+log = logging.getLogger("specgate.llamacpp")
+
+# the widest row exact mode runs, by whether weights are repacked (module docstring)
+EXACT_STEP = {True: 3, False: 7}
+
+EXTRA_HINT = "pip install 'specgate[llamacpp]'"
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is importable (the ``llamacpp`` extra)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _lib() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ModelLoadError(f"backend llamacpp needs llama-cpp-python: {EXTRA_HINT}") from exc
+    # the library logs through this logger's level (llama_cpp._logger): errors only
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    return llama_cpp
+
+
+def cpu_threads() -> int:
+    """The cores this process may run on (llama.cpp's own default counts the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class LlamaCppModel:
+    """One GGUF in a llama context with ``slots`` KV sequences of up to ``max_len`` tokens each."""
+
+    def __init__(
+        self,
+        path: Path,
+        max_len: int,
+        slots: int = 1,
+        threads: int | None = None,
+        repack: bool = True,
+        flash_attn: bool = True,
+        unified_kv: bool = False,
+        n_batch: int = 512,
+        kv_type: str = "q8_0",
+    ):
+        lib = self.lib = _lib()
+        lib.llama_backend_init()
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        mp.use_extra_bufts = repack
+        self.exact_step = EXACT_STEP[repack]
+        self.model = lib.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise ModelLoadError(f"llama.cpp could not load {path}")
+        vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+        self.n_embd = int(lib.llama_model_n_embd(self.model))
+        self.n_params = int(lib.llama_model_n_params(self.model))
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
+        self.max_len = max_len
+        self.slots = slots
+        self.n_batch = n_batch
+        self.threads = threads or cpu_threads()
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = max_len * slots  # split evenly between the sequences when each has its own stream
+        cp.n_batch = n_batch
+        cp.n_ubatch = n_batch
+        cp.n_seq_max = slots
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.kv_unified = unified_kv
+        cp.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cp.no_perf = True
+        cp.type_k = cp.type_v = getattr(lib, f"GGML_TYPE_{kv_type.upper()}")
+        self.ctx = lib.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise ModelLoadError(f"llama.cpp could not create a context for {path} ({slots} x {max_len})")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.device = torch.device("cpu")
+        self.max_graph_tokens = 16  # drafters feed rows up to this wide through forward_batch
+        self._pending: dict[int, int] = {}  # slot -> real tokens of its next forward_batch row
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    # ---- slots ------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise NoFreeSlot
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        with self._lock:
+            self._free.append(slot)
+
+    def runner(self, _model: object = None, exact: bool = True) -> LlamaCppRunner:
+        """The engine's runner factory (the argument is the model stand-in, already known here)."""
+        return LlamaCppRunner(self, self.acquire(), exact)
+
+    def draft_runner(self, _model: object = None) -> LlamaCppRunner:
+        """A drafter's runner: no step cap, batched freely (its rounding never changes the output)."""
+        return self.runner(exact=False)
+
+    def cut(self, slot: int, length: int) -> None:
+        """Forget the positions of ``slot`` from ``length`` on."""
+        self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
+
+    # ---- the forward pass ---------------------------------------------------------------------
+
+    def forward_rows(self, rows: list[Row], exact: bool = False) -> list[torch.Tensor | None]:
+        """Several sequences' rows; each row's logits as its ``Row.logits`` asks: [T, V], [1, V] or
+        None. One llama_decode for all of them, except in exact mode, where each row decodes on its
+        own: llama.cpp splits a multi-sequence batch into per-sequence slices whose rounding moved
+        with the batch's shape (measured: 6 + 6 tokens differed, 5 + 5 and 7 + 7 did not)."""
+        for r in rows:
+            T = int(r.tokens.shape[0])
+            assert r.start + T <= self.max_len, (
+                f"sequence of {r.start + T} tokens exceeds the context ({self.max_len})"
+            )
+            self.cut(r.slot, r.start)  # stale positions of a rejected draft must not be attended
+        if not exact:
+            return self._rows(rows)
+        for r in rows:
+            assert r.logits != "all" or int(r.tokens.shape[0]) <= self.exact_step, (
+                f"an exact row of {r.tokens.shape[0]} tokens (at most {self.exact_step})"
+            )
+        return [self._rows([r])[0] for r in rows]  # one decode per sequence: as it would run alone
+
+    def _rows(self, rows: list[Row]) -> list[torch.Tensor | None]:
+        flat: list[tuple[int, int, int, bool]] = []  # (token, position, slot, wants logits)
+        for r in rows:
+            T = int(r.tokens.shape[0])
+            for j, t in enumerate(r.tokens.tolist()):
+                flat.append(
+                    (int(t), r.start + j, r.slot, r.logits == "all" or (r.logits == "last" and j == T - 1))
+                )
+        logits = self._decode(flat) if flat else torch.zeros(0, self.n_vocab)  # [outputs, V]
+        result: list[torch.Tensor | None] = []
+        at = 0
+        for r in rows:
+            n = {"all": int(r.tokens.shape[0]), "last": 1, "none": 0}[r.logits]
+            result.append(logits[at : at + n] if n else None)
+            at += n
+        return result
+
+    def forward_batch(
+        self, slots: list[int], starts: list[int], ids: torch.Tensor, exact: bool = False
+    ) -> torch.Tensor:
+        """The decode-only step (as ``StaticModel.forward_batch``): ``ids`` [B, W] padded; each row
+        runs only its real tokens (``LlamaCppRunner.advance`` recorded how many) -> logits [B, W, V],
+        zero past a row's tokens."""
+        B, W = ids.shape
+        widths = [self._pending.pop(s, W) for s in slots]
+        rows = [Row(s, ids[b, : widths[b]], st) for b, (s, st) in enumerate(zip(slots, starts, strict=True))]
+        out = torch.zeros(B, W, self.n_vocab)
+        for b, t in enumerate(self.forward_rows(rows, exact)):
+            assert t is not None
+            out[b, : widths[b]] = t
+        return out
+
+    def _decode(self, flat: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        lib, batch = self.lib, self.batch
+        parts = []
+        for c in range(0, len(flat), self.n_batch):
+            chunk = flat[c : c + self.n_batch]
+            wanted = []
+            for i, (tok, pos, slot, out) in enumerate(chunk):
+                batch.token[i] = tok
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = slot
+                batch.logits[i] = out
+                if out:
+                    wanted.append(i)
+            batch.n_tokens = len(chunk)
+            rc = lib.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc} for {len(chunk)} tokens")
+            # by batch index: llama.cpp computes a multi-sequence batch in its own order (equal splits
+            # per sequence) and maps each batch position to its output row here
+            for i in wanted:
+                ptr = ctypes.cast(lib.llama_get_logits_ith(self.ctx, i), ctypes.POINTER(ctypes.c_float))
+                row = np.ctypeslib.as_array(ptr, (self.n_vocab,))
+                parts.append(torch.from_numpy(row.copy())[None])  # the buffer is reused next decode
+        if not parts:
+            return torch.zeros(0, self.n_vocab)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def close(self) -> None:
+        if self.ctx:
+            self.lib.llama_batch_free(self.batch)
+            self.lib.llama_free(self.ctx)
+            self.lib.llama_model_free(self.model)
+            self.ctx = self.model = None
+
+
+class LlamaCppRunner:
+    """One sequence's handle on a LlamaCppModel: its slot (the llama.cpp sequence id) and length."""
+
+    def __init__(self, model: LlamaCppModel, slot: int, exact: bool = True):
+        self.m = model
+        self.slot = slot
+        self.exact = exact  # engine and drafters group runners by this
+        self._length = 0
+        self.prefill_chunk = model.n_batch
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def batch_model(self) -> LlamaCppModel:
+        return self.m
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        """Exact mode: the widest step that still rounds as one-token steps do."""
+        return self.m.exact_step if self.exact else None
+
+    def advance(self, n: int) -> int:
+        """The position of this sequence's next token, before ``n`` more are appended by the next
+        ``forward_batch`` (which runs only these ``n`` of its padded row)."""
+        start = self._length
+        self._length += n
+        self.m._pending[self.slot] = n
+        return start
+
+    def row(self, tokens: Tokens, logits: Want = "all") -> Row:
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
+        r = Row(self.slot, ids, self._length, logits)
+        self._length += int(ids.shape[0])
+        return r
+
+    def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
+        step = self.m.exact_step
+        if not (logits and self.exact and ids.shape[0] > step):
+            return self.m.forward_rows([self.row(ids, "all" if logits else "none")], self.exact)[0]
+        # logits of a long run in exact mode: steps of exact_step (a caller's check, not the engine's way)
+        chunks = [ids[s : s + step] for s in range(0, ids.shape[0], step)]
+        return torch.cat(
+            [t for c in chunks if (t := self.m.forward_rows([self.row(c)], True)[0]) is not None]
+        )
+
+    def crop(self, length: int) -> None:
+        assert 0 <= length <= self._length, f"crop to {length} outside cache of {self._length}"
+        if length < self._length:
+            self.m.cut(self.slot, length)
+            self._length = length
+
+    def release(self) -> None:
+        if self.slot >= 0:
+            self.m.release(self.slot)
+            self.slot = -1
+
+
+class _Weight:
+    def __init__(self, rows: int, cols: int):
+        self.weight = torch.empty(rows, cols, device="meta")  # a shape, no memory
+
+
+class GGUFInfo:
+    """The parts of a transformers model the engine and loader read (device, config, vocabulary,
+    parameter count), for a model whose weights live in llama.cpp."""
+
+    def __init__(self, llama: LlamaCppModel, config: Any, generation_config: Any = None):
+        self.llama = llama
+        self.config = config
+        self.generation_config = generation_config
+        self.device = llama.device
+        self.dtype = torch.float32  # what the logits are
+        self._out = _Weight(llama.n_vocab, llama.n_embd)
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        yield torch.empty(self.llama.n_params, device="meta")
+
+    def get_output_embeddings(self) -> _Weight:
+        return self._out

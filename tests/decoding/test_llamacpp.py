@@ -1,0 +1,238 @@
+"""The llama.cpp runner on the pinned GGUFs as they ship (slow: the real pair): multi-token steps,
+cut-backs and batching compute exactly what one-token steps of one sequence do, so greedy
+speculation is token-identical to target-only decoding on the same runner."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from decoding import loader, store
+from decoding.engine import Engine
+from decoding.errors import ModelLoadError
+from decoding.loader import ModelSpec
+from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+
+PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+NO_LLAMACPP = "llama-cpp-python is not installed (the llamacpp extra: pip install 'specgate[llamacpp]')"
+
+try:
+    import llama_cpp  # noqa: F401
+
+    HAVE_LLAMACPP = True
+except ImportError:
+    HAVE_LLAMACPP = False
+
+needs_llamacpp = pytest.mark.skipif(not HAVE_LLAMACPP, reason=NO_LLAMACPP)
+real = [pytest.mark.slow, needs_llamacpp]
+
+
+def _need_pair() -> None:
+    for alias in PAIR:
+        if not store.is_cached(alias) or not store.gguf_available(alias):
+            pytest.skip(f"{alias} not pulled with its GGUF (run `specgate models pull`)")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    _need_pair()
+    return loader.load_all(
+        [
+            ModelSpec("target", PAIR[0], draft="draft", backend="llamacpp", slots=4, max_context=2048),
+            ModelSpec("draft", PAIR[1], backend="llamacpp", slots=4, max_context=2048),
+        ],
+        pull=False,
+    )
+
+
+def _chat(tok, turns: list[str]) -> list[int]:
+    roles = ["user", "assistant"]
+    messages = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+PROMPTS = {
+    "code": ["Write a Python function that merges two sorted lists into one sorted list."],
+    "edit": [
+        "Rename the variable total to acc everywhere and return the code only:\n"
+        "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n"
+    ],
+    "prose": ["Explain in three sentences why the sky is blue."],
+    "cjk": ["用两句话解释什么是哈希表。"],
+    "multi-turn": [
+        "What is a Python list comprehension?",
+        "A compact way to build a list: [x * x for x in range(5)].",
+        "Now show the same with a condition that keeps only even numbers.",
+    ],
+}
+
+
+def _request(ids: list[int], mode: str, k: int = 4) -> GenerationRequest:
+    # a fixed k: the controller may rightly turn speculation off, which would test nothing
+    return GenerationRequest(
+        f"r-{mode}",
+        "target",
+        ids,
+        SamplingParams(max_tokens=40, temperature=0),
+        SpecParams(SpecMode(mode), max_k=k, adaptive=False),
+    )
+
+
+@pytest.mark.parametrize("kind", list(PROMPTS))
+@pytest.mark.slow
+@needs_llamacpp
+def test_greedy_speculation_is_token_identical_to_target_only(pair, kind):
+    engine = Engine(pair)
+    ids = _chat(pair["target"].tokenizer, PROMPTS[kind])
+    plain, _, _ = engine.generate(_request(ids, "off"))
+    draft, stats, _ = engine.generate(_request(ids, "draft"))
+    ngram, _, _ = engine.generate(_request(ids, "ngram"))
+    assert len(plain) > 5
+    assert draft == plain
+    assert ngram == plain
+    assert stats.spec_steps > 0 and stats.accepted > 0  # verification of several tokens did happen
+
+
+@pytest.mark.parametrize("repack", [True, False], ids=["repacked", "not-repacked"])
+@pytest.mark.parametrize("context", ["short", "past 512 positions"])
+@pytest.mark.slow
+@needs_llamacpp
+def test_verification_rows_equal_one_token_steps_bit_for_bit(pair, context, repack):
+    """The property speculation's losslessness rests on (docs/architecture.md, "The llama.cpp
+    backend"): every row of an exact step (up to ``max_step_tokens``) has exactly the logits of
+    one-token steps, also where a one-token step over an f16 cache would take another path."""
+    from decoding.llamacpp import LlamaCppModel
+
+    m = pair["target"]
+    llama = m.model.llama if repack else LlamaCppModel(store.gguf_file(PAIR[0]), 2048, 2, repack=False)
+    code = "".join(
+        f"def f{i}(x):\n    return x * {i} + 1\n\n" for i in range(60 if context != "short" else 3)
+    )
+    ids = _chat(m.tokenizer, ["Summarise this code:\n" + code])
+    assert (len(ids) > 512) == (context != "short")
+    one, many = llama.runner(), llama.runner()
+    try:
+        one.forward(ids[:-1], logits=False)
+        many.forward(ids[:-1], logits=False)
+        steps = [ids[-1], 785, 2038, 374, 264, 1140, 11][: many.max_step_tokens]  # logits, not text
+        singles = torch.cat([one.forward([t]) for t in steps])  # [max_step_tokens, V]
+        for width in range(2, len(steps) + 1):
+            many.crop(len(ids) - 1)
+            rows = many.forward(steps[:width])  # [width, V]
+            assert torch.equal(rows, singles[:width]), (
+                f"width {width}: max diff {(rows - singles[:width]).abs().max()}"
+            )
+    finally:
+        one.release()
+        many.release()
+        if not repack:
+            llama.close()
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_crop_forgets_the_cut_positions(pair):
+    m = pair["draft"]
+    ids = _chat(m.tokenizer, PROMPTS["prose"])
+    fresh, cut = m.runner_factory(m.model), m.runner_factory(m.model)
+    try:
+        fresh.forward(ids[:-1], logits=False)
+        cut.forward(ids[:-1], logits=False)
+        rejected = cut.forward([ids[-1], 11, 12, 13])  # a draft verification, then a rejection
+        cut.crop(len(ids))  # keeps ids[-1]: position len(ids) - 1
+        assert cut.length == len(ids)
+        expected = fresh.forward([ids[-1], 99, 100])
+        again = cut.forward([99, 100])
+        assert torch.equal(again, expected[1:])  # the stale 11, 12, 13 are not attended
+        assert torch.equal(rejected[0], expected[0])
+        cut.crop(0)
+        cut.forward(ids[:-1], logits=False)  # a cache cut to nothing refills like a fresh one
+        assert torch.equal(cut.forward([ids[-1]]), expected[:1])
+    finally:
+        fresh.release()
+        cut.release()
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_two_sequences_batched_compute_what_each_computes_alone(pair):
+    m = pair["target"]
+    llama = m.model.llama  # type: ignore[attr-defined]
+    a_ids = _chat(m.tokenizer, PROMPTS["code"])
+    b_ids = _chat(m.tokenizer, PROMPTS["cjk"])
+    alone = []
+    for ids, tail in ((a_ids, [1, 2, 3]), (b_ids, [5])):
+        r = m.runner_factory(m.model)
+        r.forward(ids, logits=False)
+        alone.append(r.forward(tail))
+        r.release()
+    ra, rb = m.runner_factory(m.model), m.runner_factory(m.model)
+    try:
+        # prefill rows of different lengths in one pass, then a verification row beside a decode row
+        llama.forward_rows([ra.row(a_ids, "none"), rb.row(b_ids, "none")], exact=True)
+        ids = torch.zeros(2, 3, dtype=torch.long)
+        ids[0], ids[1, 0] = torch.tensor([1, 2, 3]), 5
+        starts = [ra.advance(3), rb.advance(1)]
+        out = llama.forward_batch([ra.slot, rb.slot], starts, ids, exact=True)  # [2, 3, V]
+        assert torch.equal(out[0], alone[0])
+        assert torch.equal(out[1, :1], alone[1])
+    finally:
+        ra.release()
+        rb.release()
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_batched_engine_steps_match_each_request_alone(pair):
+    engine = Engine(pair)
+    tok = pair["target"].tokenizer
+    reqs = [_request(_chat(tok, PROMPTS["edit"]), "draft"), _request(_chat(tok, PROMPTS["prose"]), "ngram")]
+    alone = [engine.generate(r)[0] for r in reqs]
+    seqs = [engine.start(r) for r in reqs]
+    got: list[list[int]] = [[], []]
+    try:
+        while any(s.finished is None for s in seqs):
+            live = [s for s in seqs if s.finished is None]
+            for s, out in zip(live, engine.step_batch(live), strict=True):
+                if out is not None:
+                    got[seqs.index(s)].extend(out.token_ids)
+    finally:
+        for s in seqs:
+            s.release()
+    assert got == alone
+
+
+@needs_llamacpp
+def test_llamacpp_backend_needs_a_gguf_and_a_cpu():
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        loader.load(ModelSpec("x", "tiny-random", backend="llamacpp"))
+    with pytest.raises(ModelLoadError, match="CPU"):
+        loader.load(ModelSpec("x", PAIR[0], backend="llamacpp", device="cuda"))
+
+
+def test_auto_picks_llamacpp_for_a_gguf_at_the_default_dtype(monkeypatch):
+    monkeypatch.setattr(loader, "_llamacpp_installed", lambda: True)
+    cpu = torch.device("cpu")
+    assert loader.use_llamacpp(ModelSpec("x", PAIR[0]), cpu)
+    assert loader.use_llamacpp(ModelSpec("x", "/models/any.gguf"), cpu)
+    assert not loader.use_llamacpp(ModelSpec("x", PAIR[0], dtype="float32"), cpu)  # torch numerics asked for
+    assert not loader.use_llamacpp(ModelSpec("x", PAIR[0], backend="static"), cpu)
+    assert not loader.use_llamacpp(ModelSpec("x", "tiny-random"), cpu)
+    assert not loader.use_llamacpp(ModelSpec("x", PAIR[0]), torch.device("cuda"))
+
+
+def test_a_missing_extra_is_named_once_and_auto_falls_back(monkeypatch, caplog):
+    from decoding import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    loader._llamacpp_installed.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="specgate.loader"):
+            for _ in range(3):
+                assert not loader.use_llamacpp(ModelSpec("x", PAIR[0]), torch.device("cpu"))
+        lines = [r.getMessage() for r in caplog.records if "specgate[llamacpp]" in r.getMessage()]
+        assert len(lines) == 1
+    finally:
+        loader._llamacpp_installed.cache_clear()
