@@ -4,7 +4,8 @@ section of docs/benchmarks.md (and its plot).
   - on a CUDA machine: the GPU fast path and speculation at controlled acceptance (``bench.gpu``),
     real architectures at real sizes with random weights;
   - wherever the real pair is in the model store (``make models`` pulls it): the CPU engine benchmark
-    on the real pair (``bench.cpu_engine``) and the draft-confidence sweep (``bench.cpu_confidence``);
+    on the real pair (``bench.cpu_engine``) the draft-confidence sweep (``bench.cpu_confidence``) and the batched engine
+    (``bench.cpu_batch``);
     with the llamacpp extra installed, specgate on llama.cpp against llama.cpp's own server
     (``bench.cpu_llamacpp``).
 
@@ -39,6 +40,10 @@ def main() -> None:
 
         cpu_confidence.main([])
         ran.append("cpu-draft-confidence")
+        from bench import cpu_batch
+
+        cpu_batch.main([])
+        ran.append("cpu-batch")
         from decoding import llamacpp
 
         if llamacpp.available():
