@@ -376,9 +376,25 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
 
 def load_all(specs: list[ModelSpec], pull: bool = True) -> dict[str, LoadedModel]:
     models = {s.name: load(s, pull=pull) for s in specs}
+    _yield_cores_to_llamacpp(models)
     for m in models.values():
         if m.draft is not None:
             if m.draft not in models:
                 raise ModelLoadError(f"model '{m.name}' names draft '{m.draft}', which is not configured")
             check_pair(m, models[m.draft])
     return models
+
+
+def _yield_cores_to_llamacpp(models: dict[str, LoadedModel]) -> None:
+    """Where llama.cpp runs every CPU model, torch only post-processes logits (argmax, softmax,
+    penalties): one intra-op thread. More would spin-wait in OpenMP after each op on the cores
+    llama.cpp's own threads need (measured on the real pair: docs/benchmarks.md, cpu-llamacpp)."""
+    from decoding.llamacpp import GGUFInfo
+
+    cpu = [m for m in models.values() if m.device.type == "cpu"]
+    if cpu and all(isinstance(m.model, GGUFInfo) for m in cpu) and torch.get_num_threads() > 1:
+        log.info(
+            "every CPU model runs on llama.cpp: torch keeps one thread for the logits (was %d)",
+            torch.get_num_threads(),
+        )
+        torch.set_num_threads(1)
