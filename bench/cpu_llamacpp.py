@@ -309,9 +309,9 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
         meta.get("stamp") or stamp(),
         "",
         f"CPU: {cpu_line()}. llama-cpp-python {meta['llama_cpp_python']} (llama.cpp vendored in it, built "
-        f"from the sdist with `-DGGML_NATIVE=ON`), {meta['threads']} threads. The machine was shared with "
-        "other engineers' builds and tests while this ran, so absolute numbers are noisy; specgate's methods "
-        "are interleaved per prompt, each llama.cpp configuration runs after them in its own server process.",
+        f"from the sdist with `-DGGML_NATIVE=ON`), {meta['threads']} threads. This VM's speed drifts between "
+        "runs, so compare within a run; specgate's methods are interleaved per prompt, each llama.cpp "
+        "configuration runs after them in its own server process.",
         "",
         "Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft, the pinned Q4_K_M GGUFs as they ship, greedy, up to "
         "128 new tokens, chat template. specgate: `backend: llamacpp` in exact mode (repacked weights, flash attention, q8_0 KV, steps of at "
@@ -379,9 +379,10 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
         'Why (docs/architecture.md, "The llama.cpp backend", has the step-cost probe): on this CPU llama.cpp\'s '
         "Q4_K steps are compute-bound, so verifying k+1 tokens costs about k+1 one-token steps' worth less "
         "a little, and the controller keeps speculation off most of the time (`acc` is over the few steps "
-        "it drafted); exact mode caps a step at 3 tokens with repacked weights. Target-only decode trails "
-        "llama-server; how much of that is llama.cpp's step under our settings and how much the "
-        "engine's work around each `llama_decode` was not measured apart. llama.cpp's own draft "
+        "it drafted); exact mode caps a step at 3 tokens with repacked weights. In a target-only engine step, "
+        "`llama_decode` is 97% of the time (cProfile on the 1.5B); torch keeps one intra-op thread where "
+        "llama.cpp runs every CPU model, since its OpenMP threads spun on the cores llama.cpp needs (26 to "
+        "31 tok/s when that was fixed). llama.cpp's own draft "
         "speculation is slower than its target-only decode on every prompt here, for the same reason. "
         "llama.cpp outputs marked `differs` are its own numerics (f16 KV) against ours (q8_0 KV), not a "
         "speculation error: on some prompts its draft output also differs from its own target-only output.",
