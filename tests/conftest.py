@@ -13,6 +13,17 @@ from tests.servers import RedisProcess
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_threads() -> Iterator[None]:
+    """Loading models that all run on llama.cpp leaves torch one thread (decoding.loader): give the
+    next module back what it had, so one module's models do not slow the rest of the suite."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_models():
     """Float32 tiny target, tiny draft, and the target drafting for itself (acceptance 1), on the CPU

@@ -236,3 +236,11 @@ def test_a_missing_extra_is_named_once_and_auto_falls_back(monkeypatch, caplog):
         assert len(lines) == 1
     finally:
         loader._llamacpp_installed.cache_clear()
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_torch_keeps_one_thread_where_llamacpp_runs_every_cpu_model(pair):
+    import torch
+
+    assert torch.get_num_threads() == 1  # its OpenMP threads would spin on llama.cpp's cores
