@@ -73,6 +73,28 @@ class ReplayEngine(Engine):
         return d
 
 
+def replay_engine(
+    target, draft, tm: StaticModel, dm: StaticModel, max_len: int, draft_len: int
+) -> ReplayEngine:  # type: ignore[no-untyped-def]
+    """The target on ``tm``, drafting with the draft on ``dm``, under the replay drafter."""
+    models = {
+        "target": LoadedModel(
+            "target", target, None, draft="draft", max_context=max_len, runner_factory=tm.runner
+        ),
+        "draft": LoadedModel(
+            "draft",
+            draft,
+            None,
+            max_context=draft_len,
+            runner_factory=dm.runner,
+            draft_runner_factory=dm.draft_runner,
+        ),
+    }
+    e = ReplayEngine(models)
+    e.references, e.prompt_len = {}, PROMPT
+    return e
+
+
 def corrupt(reference: list[int], acceptance: float, gen: torch.Generator) -> torch.Tensor:
     ref = torch.tensor(reference + [0] * 16)
     keep = torch.rand(ref.shape[0], generator=gen) < acceptance
@@ -223,25 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     R["setup_s"] = time.perf_counter() - t0
     print(f"setup {R['setup_s']:.0f}s compiled={compiled}", flush=True)
 
-    def engine_on(static: StaticModel, max_len: int) -> ReplayEngine:
-        models = {
-            "target": LoadedModel(
-                "target", target, None, draft="draft", max_context=max_len, runner_factory=static.runner
-            ),
-            "draft": LoadedModel(
-                "draft",
-                draft,
-                None,
-                max_context=MAX_LEN,
-                runner_factory=dm.runner,
-                draft_runner_factory=dm.draft_runner,
-            ),
-        }
-        e = ReplayEngine(models)
-        e.references, e.prompt_len = {}, PROMPT
-        return e
-
-    fast, exact = engine_on(tm, MAX_LEN), engine_on(te, EXACT_LEN)
+    fast = replay_engine(target, draft, tm, dm, MAX_LEN, MAX_LEN)
+    exact = replay_engine(target, draft, te, dm, EXACT_LEN, MAX_LEN)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 150000, (max(ns) + 1, PROMPT), generator=gen)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
@@ -298,17 +303,6 @@ def main(argv: list[str] | None = None) -> None:
                     s["tokens_per_step"] = s.get("tokens", 0) / max(1, sum(len(c) for c in chunks.values()))
                 row[mode] = s
                 print(f"N={N} {mode}: {s} [{time.perf_counter() - wall:.0f}s]", flush=True)
-            if N in (1, 16):  # the step's read-back as a plain tolist (holds the GIL while it waits)
-                import decoding.engine as eng
-
-                saved = eng.read_back
-                eng.read_back = lambda t: t.tolist()
-                try:
-                    t_sub, chunks, _, _ = asyncio.run(run_requests(engines[id(fast)], requests(N, "off")))
-                finally:
-                    eng.read_back = saved
-                row["off_tolist"] = summarise(t_sub, chunks, N, kv_row, weights, bw)
-                print(f"N={N} off_tolist: {row['off_tolist']}", flush=True)
             R["engine"][N] = row
             save(R, args.out)
         finally:

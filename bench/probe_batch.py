@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.gpu import DRAFT, TARGET, build
-from bench.gpu_batch import ReplayEngine, corrupt, run_requests
+from bench.gpu_batch import corrupt, replay_engine, run_requests
 from decoding.async_engine import AsyncEngine
-from decoding.engine import LoadedModel
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 from decoding.static import StaticModel
 
@@ -112,21 +111,7 @@ def replay_table(m: StaticModel, name: str, shapes: list[tuple[int, int]], exact
 
 
 def engine_profile(tm: StaticModel, dm: StaticModel, target, draft) -> None:  # type: ignore[no-untyped-def]
-    models = {
-        "target": LoadedModel(
-            "target", target, None, draft="draft", max_context=MAX_LEN, runner_factory=tm.runner
-        ),
-        "draft": LoadedModel(
-            "draft",
-            draft,
-            None,
-            max_context=MAX_LEN,
-            runner_factory=dm.runner,
-            draft_runner_factory=dm.draft_runner,
-        ),
-    }
-    e = ReplayEngine(models)
-    e.references, e.prompt_len = {}, 128
+    e = replay_engine(target, draft, tm, dm, MAX_LEN, MAX_LEN)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
     for N, mode in ((1, "on"), (4, "on"), (4, "auto"), (4, "off")):

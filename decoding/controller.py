@@ -51,7 +51,6 @@ class SpecController:
     spec_tokens_w: float = 0.0  # decayed tokens and seconds of speculative steps: their ratio is the
     spec_seconds_w: float = 0.0  # measured rate (a mean of per-step rates would be biased low)
     off_steps: int = 0  # plain steps since the goodput check switched speculation off
-    since_plain: int = 0  # speculative choices since the last remeasuring plain step
     switched_off: bool = False
     steps: int = 0
 
@@ -59,9 +58,8 @@ class SpecController:
     def acceptance(self) -> float:
         return self.accepted_w / (self.accepted_w + self.rejected_w)
 
-    def choose_k(self, may_probe: bool = True) -> int:
-        """0 means a plain step. ``may_probe`` False holds back a probe that is due (in a batch,
-        rows probe together, on the batch's turn: BatchCosts.probe_turn)."""
+    def choose_k(self) -> int:
+        """0 means a plain step."""
         self.steps += 1
         if not self.speculate:
             return 0
@@ -72,18 +70,14 @@ class SpecController:
         if self.hopeless():
             return 0
         if self.switched_off:
-            if self.off_steps < self.probe_every or self.hopeless() or not may_probe:
+            if self.off_steps < self.probe_every or self.hopeless():
                 self.off_steps += 1
                 return 0
             self.switched_off, self.off_steps = False, 0
             self.probing = True
             return self._best_k()[0]  # probe: measure speculation again
-        self.since_plain += 1
-        if self.since_plain >= self.remeasure_every and may_probe:
-            # refresh the plain-step time: one noisy sample must not keep speculation on (in a batch,
-            # on the batch's turn, so that the rows' plain steps fall on one step that is plain)
-            self.since_plain = 0
-            return 0
+        if self.steps % self.remeasure_every == 0:
+            return 0  # refresh the plain-step time: one noisy sample must not keep speculation on
         k, rate = self._best_k()
         if (
             self.t_plain is not None
@@ -191,15 +185,15 @@ class BatchCosts:
 
     target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per target pass
     draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
-    # Rows whose speculation is off probe it again together: a probe costs the whole batch its draft
-    # passes and the draft's catch-up, so N rows probing on N different steps would cost N times.
+    # While no k pays, the batch still drafts 2 on a probe turn (every probe_period x backoff steps),
+    # so the rows' acceptance estimates and the draft's cost follow the text being generated.
     probe_period: int = 16
     steps: int = 0
     backoff: int = 1  # the period's multiplier: doubles while probes find speculation still not paying
     max_backoff: int = 8
 
     def probe_turn(self) -> bool:
-        """True once every ``probe_period`` x ``backoff`` batched steps: the step on which due probes run."""
+        """True once every ``probe_period`` x ``backoff`` batched steps: a step that may probe."""
         self.steps += 1
         return self.steps % (self.probe_period * self.backoff) == 0
 

@@ -407,13 +407,16 @@ class Engine:
         rows with a fixed k keep it."""
         if not decoding:
             return []
-        costs = self._costs(decoding[0])
-        adaptive = [
-            s for s in decoding if s.drafter is not None and s.controller.speculate and s.controller.adaptive
+        batched = len(decoding) >= 2
+        shared = [
+            batched and s.drafter is not None and s.controller.speculate and s.controller.adaptive
+            for s in decoding
         ]
-        shared = 0
-        if len(decoding) >= 2 and adaptive:
-            shared = costs.best_k(
+        k_shared = 0
+        if any(shared):
+            costs = self._costs(decoding[0])
+            adaptive = [s for s, on in zip(decoding, shared, strict=True) if on]
+            k_shared = costs.best_k(
                 [
                     (s.controller.acceptance, isinstance(s.drafter, DraftModelDrafter), s.controller.k_max)
                     for s in adaptive
@@ -422,11 +425,11 @@ class Engine:
                 probe=costs.probe_turn(),
             )
         ks = []
-        for s in decoding:
+        for s, on in zip(decoding, shared, strict=True):
             if s.drafter is None:
                 k = 0
-            elif len(decoding) >= 2 and s in adaptive:
-                k = min(shared, s.controller.k_max)
+            elif on:
+                k = min(k_shared, s.controller.k_max)
             else:
                 k = s.controller.choose_k()
             remaining = s.request.params.max_tokens - s.completion_tokens

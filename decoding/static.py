@@ -107,8 +107,8 @@ class StaticModel:
         self.positions = pos  # [cache_len]
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
-        # exact mode: every short step of a row runs at width max_graph_tokens over the whole cache
-        # (see docs/architecture.md, Exact mode). A drafting runner never needs it.
+        # exact mode: every short step of a row runs at width max_graph_tokens (and, without the fused
+        # kernel, over the whole cache; see docs/architecture.md, Exact mode). Drafters never need it.
         self.exact = exact
         self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
@@ -124,8 +124,7 @@ class StaticModel:
             if self.fused_attention
             else 0
         )
-        # a one-row step without the fused kernel reads its slot's cache as a view, baked into the
-        # graph, so such graphs are per slot; the fused kernel reads the slot from a buffer
+        # the fused kernel reads a one-row step's slot from a buffer (StaticModel._graph)
         self.per_slot_graphs = not self.fused_attention
         self.compiled = compile_step
         self._in: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_in
@@ -260,11 +259,7 @@ class StaticModel:
         if short and not long and self.graphs_enabled:
             B = _bucket(len(short))
             L = self._batch_len(max(r.start for r in short) + W, exact)
-            key = (B, W, L, short[0].slot if B == 1 and self.per_slot_graphs else -1)
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._graphs[key] = _Graph(self, B, W, L, key[3])
-            logits = graph.replay(short)
+            logits = self._graph(B, W, L, short[0].slot).replay(short)
         else:
             step = self._plan(short, long, W, exact)
             logits = self._step(step)
@@ -287,11 +282,7 @@ class StaticModel:
         L = self._batch_len(max(starts) + W, exact)
         if self.graphs_enabled:
             Bb = _bucket(B)
-            key = (Bb, W, L, slots[0] if Bb == 1 and self.per_slot_graphs else -1)
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._graphs[key] = _Graph(self, Bb, W, L, key[3])
-            return graph.run(slots, starts, ids)[:, :T]
+            return self._graph(Bb, W, L, slots[0]).run(slots, starts, ids)[:, :T]
         slot_t = torch.tensor(slots).to(self.device, non_blocking=True)  # [B]
         start_t = torch.tensor(starts).to(self.device, non_blocking=True)  # [B]
         step = StepRows(
@@ -306,6 +297,15 @@ class StaticModel:
             singles=[],
         )
         return self._step(step).view(B, W, -1)[:, :T]
+
+    def _graph(self, B: int, W: int, L: int, first_slot: int) -> _Graph:
+        """The graph of a step shape, captured on first use. A one-row graph without the fused
+        kernel reads its slot's cache as a view baked into the graph, so it is one graph per slot."""
+        key = (B, W, L, first_slot if B == 1 and self.per_slot_graphs else -1)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _Graph(self, B, W, L, key[3])
+        return graph
 
     def _plan(self, short: list[Row], long: list[Row], W: int, exact: bool) -> StepRows:
         ids, pos, slot_of = [], [], []
@@ -365,11 +365,7 @@ class StaticModel:
         widths = {self.max_graph_tokens} if self.exact else set(token_counts)
         for B in batch_sizes:
             for W in widths:
-                L = self._batch_len(W, self.exact)
-                slots = [self.scratch] if B == 1 and self.per_slot_graphs else [-1]
-                for s in slots:
-                    if (B, W, L, s) not in self._graphs:
-                        self._graphs[(B, W, L, s)] = _Graph(self, B, W, L, s)
+                self._graph(B, W, self._batch_len(W, self.exact), self.scratch)
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)

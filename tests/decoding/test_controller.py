@@ -99,15 +99,6 @@ def test_a_drafter_that_stops_itself_gets_k_max_and_is_judged_on_measured_steps(
     assert ks[10:].count(0) > len(ks[10:]) * 0.6 and any(k == 8 for k in ks[10:])  # off, probing
 
 
-def test_a_due_probe_waits_for_the_batch_turn():
-    c = SpecController(k_max=8, probe_every=4, min_probe_every=4)
-    c.t_plain, c.t_draft, c.t_verify = 0.01, 0.002, {2: 0.011}
-    c.switched_off, c.off_steps = True, 4  # a probe is due
-    assert c.choose_k(may_probe=False) == 0
-    assert c.switched_off  # still due: it runs on the batch's turn
-    assert c.choose_k(may_probe=True) > 0
-
-
 def test_the_probe_turn_comes_once_a_period():
     costs = BatchCosts(probe_period=4)
     assert [costs.probe_turn() for _ in range(8)] == [False, False, False, True] * 2
