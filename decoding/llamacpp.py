@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from decoding.errors import ModelLoadError, NoFreeSlot
-from decoding.runner import Row, Tokens, Want
+from decoding.runner import Row, SlotRunner, Tokens
 
 log = logging.getLogger("specgate.llamacpp")
 
@@ -253,23 +253,12 @@ class LlamaCppModel:
             self.ctx = self.model = None
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(SlotRunner[LlamaCppModel]):
     """One sequence's handle on a LlamaCppModel: its slot (the llama.cpp sequence id) and length."""
 
     def __init__(self, model: LlamaCppModel, slot: int, exact: bool = True):
-        self.m = model
-        self.slot = slot
-        self.exact = exact  # engine and drafters group runners by this
-        self._length = 0
+        super().__init__(model, slot, exact)
         self.prefill_chunk = model.n_batch
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def batch_model(self) -> LlamaCppModel:
-        return self.m
 
     @property
     def max_step_tokens(self) -> int | None:
@@ -279,16 +268,8 @@ class LlamaCppRunner:
     def advance(self, n: int) -> int:
         """The position of this sequence's next token, before ``n`` more are appended by the next
         ``forward_batch`` (which runs only these ``n`` of its padded row)."""
-        start = self._length
-        self._length += n
         self.m._pending[self.slot] = n
-        return start
-
-    def row(self, tokens: Tokens, logits: Want = "all") -> Row:
-        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
-        r = Row(self.slot, ids, self._length, logits)
-        self._length += int(ids.shape[0])
-        return r
+        return super().advance(n)
 
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
         ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
@@ -302,15 +283,9 @@ class LlamaCppRunner:
         )
 
     def crop(self, length: int) -> None:
-        assert 0 <= length <= self._length, f"crop to {length} outside cache of {self._length}"
-        if length < self._length:
+        if length < self._length:  # llama.cpp attends to whatever its cache holds: forget the rest
             self.m.cut(self.slot, length)
-            self._length = length
-
-    def release(self) -> None:
-        if self.slot >= 0:
-            self.m.release(self.slot)
-            self.slot = -1
+        super().crop(length)
 
 
 class _Weight:

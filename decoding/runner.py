@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -52,6 +52,57 @@ class StepRows:
     attn_len: int  # cache positions the short rows attend over
     one_slot: int | None  # B == 1: that row's slot (its cache is read as a view, not gathered)
     singles: list[tuple[int, int, int]]  # (slot, T, attended length) per long row
+
+
+class SlotPool(Protocol):
+    device: torch.device
+
+    def release(self, slot: int) -> None: ...
+
+
+PoolT = TypeVar("PoolT", bound=SlotPool)
+
+
+class SlotRunner(Generic[PoolT]):
+    """One sequence's handle on a batched model's KV pool (``decoding.static``, ``decoding.llamacpp``):
+    its slot and its length. Several runners of one model run one forward pass through the model's
+    ``forward_rows`` / ``forward_batch``; ``exact`` groups them (rows of one step share the mode)."""
+
+    def __init__(self, model: PoolT, slot: int, exact: bool):
+        self.m = model
+        self.slot = slot
+        self.exact = exact
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def batch_model(self) -> PoolT:
+        return self.m
+
+    def advance(self, n: int) -> int:
+        """The cache position of this sequence's next token, before ``n`` more are appended."""
+        start = self._length
+        self._length += n
+        return start
+
+    def row(self, tokens: Tokens, logits: Want = "all") -> Row:
+        """This sequence's next ``tokens`` as a row of a batched step; the length moves on."""
+        ids = as_ids(tokens, self.m.device)
+        r = Row(self.slot, ids, self._length, logits)
+        self._length += int(ids.shape[0])
+        return r
+
+    def crop(self, length: int) -> None:
+        assert 0 <= length <= self._length, f"crop to {length} outside cache of {self._length}"
+        self._length = length  # stale positions past it are overwritten before they are read
+
+    def release(self) -> None:
+        if self.slot >= 0:
+            self.m.release(self.slot)
+            self.slot = -1
 
 
 class SequenceRunner(Protocol):

@@ -44,7 +44,7 @@ from decoding.layers import (
     layer_weights,
     rms_norm,
 )
-from decoding.runner import EXACT_WIDTH, Row, StepRows, Tokens, Want, as_ids
+from decoding.runner import EXACT_WIDTH, Row, SlotRunner, StepRows, Tokens, as_ids
 
 # Dynamo settings for the compiled layer, applied only around our own calls:
 #  - no automatic dynamic shapes: the draft and target share the layer's code, and a second model's
@@ -461,42 +461,18 @@ class _Graph:
         return self.out[: n * W].clone()  # the buffer is overwritten by the next replay
 
 
-class StaticRunner:
+class StaticRunner(SlotRunner[StaticModel]):
     """One sequence's handle on a StaticModel: its slot and length (the SequenceRunner the engine
     drives). Several runners of one model run one forward pass through ``StaticModel.forward_rows``."""
 
     def __init__(self, model: StaticModel, slot: int, exact: bool = False):
-        self.m = model
-        self.slot = slot
-        self.exact = exact
-        self._length = 0
+        super().__init__(model, slot, exact)
         self.prefill_chunk = 512
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def batch_model(self) -> StaticModel:
-        return self.m
 
     @property
     def max_step_tokens(self) -> int | None:
         """Exact mode: the most tokens one step can take and stay bit-identical to 1-token steps."""
         return self.m.max_graph_tokens if self.exact else None
-
-    def advance(self, n: int) -> int:
-        """The cache position of this sequence's next token, before ``n`` more are appended."""
-        start = self._length
-        self._length += n
-        return start
-
-    def row(self, tokens: Tokens, logits: Want = "all") -> Row:
-        """This sequence's next ``tokens`` as a row of a batched step; the length moves on."""
-        ids = as_ids(tokens, self.m.device)
-        r = Row(self.slot, ids, self._length, logits)
-        self._length += ids.shape[0]
-        return r
 
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:
         ids = as_ids(tokens, self.m.device)
@@ -507,12 +483,3 @@ class StaticRunner:
         if not logits:
             return None
         return outs[0] if len(outs) == 1 else torch.cat([o for o in outs if o is not None])
-
-    def crop(self, length: int) -> None:
-        assert 0 <= length <= self._length, f"crop to {length} outside cache of {self._length}"
-        self._length = length  # stale slots past `length` are overwritten before they are read
-
-    def release(self) -> None:
-        if self.slot >= 0:
-            self.m.release(self.slot)
-            self.slot = -1
