@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from decoding.errors import ModelLoadError, NoFreeSlot
-from decoding.runner import Row, SlotRunner, Tokens
+from decoding.errors import ModelLoadError
+from decoding.runner import FreeSlots, Row, SlotRunner, Tokens
 
 log = logging.getLogger("specgate.llamacpp")
 
@@ -132,8 +131,7 @@ class LlamaCppModel:
         self.device = torch.device("cpu")
         self.max_graph_tokens = 16  # drafters feed rows up to this wide through forward_batch
         self._pending: dict[int, int] = {}  # slot -> real tokens of its next forward_batch row
-        self._free = list(range(slots))
-        self._lock = threading.Lock()
+        self._free = FreeSlots(slots)
 
     # ---- slots ------------------------------------------------------------------------------
 
@@ -142,15 +140,11 @@ class LlamaCppModel:
         return len(self._free)
 
     def acquire(self) -> int:
-        with self._lock:
-            if not self._free:
-                raise NoFreeSlot
-            return self._free.pop()
+        return self._free.take()
 
     def release(self, slot: int) -> None:
         self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
-        with self._lock:
-            self._free.append(slot)
+        self._free.give_back(slot)
 
     def runner(self, _model: object = None, exact: bool = True) -> LlamaCppRunner:
         """The engine's runner factory (the argument is the model stand-in, already known here)."""

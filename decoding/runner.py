@@ -8,11 +8,14 @@ The eager runner uses transformers' DynamicCache (``crop`` cuts it back). The CU
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from decoding.errors import NoFreeSlot
 
 Tokens = list[int] | torch.Tensor  # [T] on any device
 
@@ -52,6 +55,27 @@ class StepRows:
     attn_len: int  # cache positions the short rows attend over
     one_slot: int | None  # B == 1: that row's slot (its cache is read as a view, not gathered)
     singles: list[tuple[int, int, int]]  # (slot, T, attended length) per long row
+
+
+class FreeSlots:
+    """The free KV slots of a pool, taken and given back from the engine's thread and others."""
+
+    def __init__(self, n: int):
+        self._free = list(range(n))
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise NoFreeSlot
+            return self._free.pop()
+
+    def give_back(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
 
 
 class SlotPool(Protocol):

@@ -25,7 +25,6 @@ batching of rows into one step, and the graphs.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,6 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from decoding import kernels
-from decoding.errors import NoFreeSlot
 from decoding.layers import (
     Dims,
     attend,
@@ -44,7 +42,7 @@ from decoding.layers import (
     layer_weights,
     rms_norm,
 )
-from decoding.runner import EXACT_WIDTH, Row, SlotRunner, StepRows, Tokens, as_ids
+from decoding.runner import EXACT_WIDTH, FreeSlots, Row, SlotRunner, StepRows, Tokens, as_ids
 
 # Dynamo settings for the compiled layer, applied only around our own calls:
 #  - no automatic dynamic shapes: the draft and target share the layer's code, and a second model's
@@ -114,8 +112,7 @@ class StaticModel:
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
         # models: freeing one model's graphs must not pull memory from under another's.
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
-        self._free = list(range(slots))
-        self._lock = threading.Lock()
+        self._free = FreeSlots(slots)
         # short rows attend straight from the pool with one Triton kernel where it runs (CUDA):
         # no gather, no mask, no graph per attended length, and batch-invariant (decoding/kernels.py)
         self.fused_attention = kernels.available(self.device, head_dim)
@@ -145,14 +142,10 @@ class StaticModel:
         return len(self._free)
 
     def acquire(self) -> int:
-        with self._lock:
-            if not self._free:
-                raise NoFreeSlot
-            return self._free.pop()
+        return self._free.take()
 
     def release(self, slot: int) -> None:
-        with self._lock:
-            self._free.append(slot)
+        self._free.give_back(slot)
 
     def runner(self, _model: PreTrainedModel | None = None, exact: bool | None = None) -> StaticRunner:
         """The engine's runner factory (the argument is the HF model, already known here)."""
