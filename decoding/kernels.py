@@ -152,3 +152,120 @@ def decode_attention(
         num_stages=2,
     )
     return o.view(B, W, H * hd)
+
+
+# ---- prompt chunks ---------------------------------------------------------------------------------
+# A step that carries prompt chunks beside its decode rows attends each chunk with the kernel below: the
+# chunk's own keys and every key before them, read from its slot of the pool like the decode kernel's,
+# so such a step needs no mask tensor and no attended-length bucket, and is captured as a CUDA graph
+# like a decode step (``StaticModel._graph``). A chunk's queries (token-major, the kv head's grouped
+# heads minor) are split into tiles of CHUNK_TILE; one program per (chunk, kv head, tile).
+
+CHUNK_TILE = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_kernel(
+        Q,  # [P, H, hd]: the step's chunk tokens, one chunk after another
+        K,  # [S, Lc, KV, hd]
+        V,
+        Out,  # [P, H, hd]
+        rows,  # [R, 4] int64: slot, cache position of the chunk's first token, its index in Q, tokens
+        scale,
+        sq_n,
+        sq_h,
+        sk_s,
+        sk_l,
+        sk_h,
+        so_n,
+        so_h,
+        G: tl.constexpr,
+        HD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        j = tl.program_id(1)  # kv head
+        first = tl.program_id(2) * BLOCK_M  # the tile's first query of this chunk and kv head
+        slot = tl.load(rows + r * 4)
+        start = tl.load(rows + r * 4 + 1)
+        q0 = tl.load(rows + r * 4 + 2)
+        T = tl.load(rows + r * 4 + 3)  # 0: an unused row of a captured graph
+        m = first + tl.arange(0, BLOCK_M)
+        w = m // G
+        h = j * G + m % G
+        valid = m < T * G
+        d = tl.arange(0, HD)
+        q = tl.load(
+            Q + (q0 + w[:, None]) * sq_n + h[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0
+        )
+        qpos = start + w
+        # keys up to the tile's last query (none for a tile past the chunk's end)
+        last = tl.minimum(T - 1, (first + BLOCK_M - 1) // G)
+        end = tl.where(first < T * G, start + last + 1, 0)
+        k_base = K + slot * sk_s + j * sk_h
+        v_base = V + slot * sk_s + j * sk_h
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], tl.float32)
+        for n0 in range(0, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            live = n < end
+            k = tl.load(k_base + n[None, :] * sk_l + d[:, None], mask=live[None, :], other=0.0)  # [HD, N]
+            s = tl.dot(q, k, input_precision=PRECISION) * scale
+            s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)  # [N, HD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a tile past the chunk's end saw no key
+        tl.store(
+            Out + (q0 + w[:, None]) * so_n + h[:, None] * so_h + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=valid[:, None],
+        )
+
+
+def chunk_attention(
+    q: torch.Tensor,  # [P, H, hd]: every chunk's tokens, in the order of ``rows``
+    k_pool: torch.Tensor,  # [S, Lc, KV, hd]
+    v_pool: torch.Tensor,
+    rows: torch.Tensor,  # [R, 4] long: slot, start position, first index in q, tokens (0: unused)
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each chunk's queries over its slot's keys up to their positions; tokens of
+    ``q`` that no row covers come out as zeros. [P, H * hd]."""
+    P, H, hd = q.shape
+    KV = k_pool.shape[2]
+    G = H // KV
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
+    o = torch.zeros_like(q)
+    grid = (rows.shape[0], KV, triton.cdiv(P * G, CHUNK_TILE))  # a chunk may fill the whole of q
+    _chunk_kernel[grid](
+        q,
+        k_pool,
+        v_pool,
+        o,
+        rows,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        o.stride(0),
+        o.stride(1),
+        G=G,
+        HD=hd,
+        BLOCK_M=CHUNK_TILE,
+        BLOCK_N=64,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    return o.view(P, H * hd)

@@ -54,7 +54,11 @@ class StepRows:
     slots: torch.Tensor  # [B] KV slot of each short row
     attn_len: int  # cache positions the short rows attend over
     one_slot: int | None  # B == 1: that row's slot (its cache is read as a view, not gathered)
-    singles: list[tuple[int, int, int]]  # (slot, T, attended length) per long row
+    singles: list[tuple[int, int, int]]  # (slot, T, attended length) per long row (SDPA)
+    # the long rows for the fused chunk kernel instead of ``singles``: [R, 4] (slot, start, index of
+    # the first token after the short rows, T); rows with T = 0 are unused (a captured graph's spares)
+    chunks: torch.Tensor | None = None
+    logit_rows: int | None = None  # logits of the first this many tokens only (None: every token)
 
 
 class FreeSlots:

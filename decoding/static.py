@@ -108,7 +108,7 @@ class StaticModel:
         # exact mode: every short step of a row runs at width max_graph_tokens (and, without the fused
         # kernel, over the whole cache; see docs/architecture.md, Exact mode). Drafters never need it.
         self.exact = exact
-        self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
         # models: freeing one model's graphs must not pull memory from under another's.
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
@@ -186,7 +186,7 @@ class StaticModel:
             batch_mask = self._mask(keys[None, None, None, :] > p[:, None, :, None])
         masks: list[torch.Tensor] = []
         off = B * W
-        for _, T, Lp in step.singles:
+        for _, T, Lp in [] if step.chunks is not None else step.singles:
             p = step.pos[off : off + T]
             masks.append(self._mask(self.positions[:Lp][None, None, None, :] > p[None, None, :, None]))
             off += T
@@ -210,7 +210,9 @@ class StaticModel:
                     kr, vr = kc[step.slots, :L], vc[step.slots, :L]  # [B, L, KV, hd]
                 outs.append(attend(q[: B * W].view(B, W, H, hd), kr, vr, batch_mask, self.dims).flatten(0, 1))
             off = B * W
-            for i, (s, T, Lp) in enumerate(step.singles):
+            if step.chunks is not None:
+                outs.append(kernels.chunk_attention(q[off:], kc, vc, step.chunks, self.dims.scale))
+            for i, (s, T, Lp) in enumerate(step.singles if step.chunks is None else []):
                 qi = q[off : off + T][None]  # [1, T, H, hd]
                 outs.append(attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], masks[i], self.dims)[0])
                 off += T
@@ -229,11 +231,14 @@ class StaticModel:
         return F.linear(rms_norm(h, self.norm, self.dims.eps), self.lm_head)  # [n, V]
 
     def _step(self, step: StepRows) -> torch.Tensor:
-        """Logits of every token of a step [N, V] (graphs capture this)."""
+        """Logits of every token of a step [N, V], or of its first ``step.logit_rows`` (graphs
+        capture this)."""
         if self.compiled:
             with torch._dynamo.config.patch(**_DYNAMO):
-                return self._logits(self._forward(step))
-        return self._logits(self._forward(step))
+                h = self._forward(step)
+        else:
+            h = self._forward(step)
+        return self._logits(h if step.logit_rows is None else h[: step.logit_rows])
 
     @torch.inference_mode()
     def forward_rows(self, rows: list[Row], exact: bool = False) -> list[torch.Tensor | None]:
@@ -253,6 +258,12 @@ class StaticModel:
             B = _bucket(len(short))
             L = self._batch_len(max(r.start for r in short) + W, exact)
             logits = self._graph(B, W, L, short[0].slot).replay(short)
+        elif long and self._chunk_graph_fits(long):
+            # prompt chunks beside decode rows, as a graph too: eager, such a step costs the host
+            # several times what it costs the device (bench.probe_prefill)
+            B = _bucket(len(short)) if short else 0
+            P = _chunk_bucket(sum(r.tokens.shape[0] for r in long))
+            logits = self._graph(B, W if B else 0, 0, -1, P).replay(short, long)
         else:
             step = self._plan(short, long, W, exact)
             logits = self._step(step)
@@ -291,14 +302,36 @@ class StaticModel:
         )
         return self._step(step).view(B, W, -1)[:, :T]
 
-    def _graph(self, B: int, W: int, L: int, first_slot: int) -> _Graph:
-        """The graph of a step shape, captured on first use. A one-row graph without the fused
-        kernel reads its slot's cache as a view baked into the graph, so it is one graph per slot."""
-        key = (B, W, L, first_slot if B == 1 and self.per_slot_graphs else -1)
+    def _graph(self, B: int, W: int, L: int, first_slot: int, P: int = 0) -> _Graph:
+        """The graph of a step shape, captured on first use: B short rows of W tokens and room for
+        P tokens of prompt chunks. A one-row graph without the fused kernel reads its slot's cache
+        as a view baked into the graph, so it is one graph per slot."""
+        key = (B, W, L, first_slot if B == 1 and self.per_slot_graphs else -1, P)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _Graph(self, B, W, L, key[3])
+            graph = self._graphs[key] = _Graph(self, B, W, L, key[3], P)
         return graph
+
+    def _chunk_graph_fits(self, long: list[Row]) -> bool:
+        """Whether a step's prompt chunks run in a captured graph: with the fused kernels, no
+        logits wanted of them, and within the largest chunk bucket."""
+        return (
+            self.graphs_enabled
+            and self.fused_attention
+            and len(long) <= CHUNK_ROWS
+            and all(r.logits == "none" for r in long)
+            and sum(r.tokens.shape[0] for r in long) <= CHUNK_BUCKETS[-1]
+        )
+
+    def _chunk_rows(self, long: list[Row], n: int) -> torch.Tensor:
+        """The fused chunk kernel's [n, 4] row table of ``long`` (rows past them unused), on the device."""
+        table = torch.zeros(n, 4, dtype=torch.long)
+        at = 0
+        for i, r in enumerate(long):
+            T = r.tokens.shape[0]
+            table[i] = torch.tensor([r.slot, r.start, at, T])
+            at += T
+        return table.to(self.device, non_blocking=True)
 
     def _plan(self, short: list[Row], long: list[Row], W: int, exact: bool) -> StepRows:
         ids, pos, slot_of = [], [], []
@@ -316,6 +349,7 @@ class StaticModel:
             singles.append((r.slot, T, self._attn_len(r.start + T, False)))
         flat_slots = [s for group in slot_of for s in group]
         B = len(short)
+        fused = bool(long) and self.fused_attention
         return StepRows(
             ids=torch.cat(ids),
             pos=torch.cat(pos),
@@ -326,6 +360,8 @@ class StaticModel:
             attn_len=self._batch_len(max((r.start for r in short), default=0) + W, exact) if B else 0,
             one_slot=short[0].slot if B == 1 else None,
             singles=singles,
+            chunks=self._chunk_rows(long, len(long)) if fused else None,
+            logit_rows=B * W if all(r.logits == "none" for r in long) else None,
         )
 
     def step_one(self, slot: int, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -350,23 +386,38 @@ class StaticModel:
                 ids = torch.zeros(n, dtype=torch.long, device=self.device)
                 self.forward_rows([Row(self.scratch, ids, 0, "all")])
 
-    def capture(self, token_counts: range, batch_sizes: tuple[int, ...] = (1,)) -> None:
+    def capture(
+        self, token_counts: range, batch_sizes: tuple[int, ...] = (1,), chunk_tokens: tuple[int, ...] = ()
+    ) -> None:
         """Capture graphs ahead of the first request (otherwise on first use): every width in
-        ``token_counts`` (exact: the exact width) for each batch bucket, at the shortest context."""
+        ``token_counts`` (exact: the exact width) for each batch bucket, at the shortest context;
+        and, for each of ``chunk_tokens``, those steps with that many tokens of prompt chunks."""
         if not self.graphs_enabled:
             return
         widths = {self.max_graph_tokens} if self.exact else set(token_counts)
+        chunks = {_chunk_bucket(P) for P in chunk_tokens} if self.fused_attention else set()
+        for P in chunks:  # prompt chunks alone
+            self._graph(0, 0, 0, -1, P)
         for B in batch_sizes:
             for W in widths:
                 self._graph(B, W, self._batch_len(W, self.exact), self.scratch)
+                for P in chunks:
+                    self._graph(B, W, 0, -1, P)
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# prompt-chunk tokens a graph has room for, and its most chunks (more, or longer, run eagerly)
+CHUNK_BUCKETS = (32, 64, 128, 256, 512)
+CHUNK_ROWS = 8
 
 
 def _bucket(n: int) -> int:
     """The graph batch size that holds ``n`` rows (padding rows write to the scratch slot)."""
     return next((b for b in BATCH_BUCKETS if b >= n), n)
+
+
+def _chunk_bucket(n: int) -> int:
+    return next(b for b in CHUNK_BUCKETS if b >= n)
 
 
 def _want(logits: torch.Tensor, want: str) -> torch.Tensor | None:
@@ -392,22 +443,28 @@ def _split(
 
 
 class _Graph:
-    """One CUDA graph for a batch of short rows: (batch bucket, width, attended length, slot for a
-    one-row graph else -1). Static input buffers in, a static logits buffer out."""
+    """One CUDA graph for a step of B short rows of W tokens (batch bucket, width, attended length,
+    slot for a one-row graph else -1) and room for P tokens of prompt chunks after them (up to
+    CHUNK_ROWS chunks; their tokens get no logits). Static input buffers in, a static logits buffer
+    out: [B * W, V]."""
 
-    def __init__(self, m: StaticModel, B: int, W: int, L: int, slot: int):
-        self.m, self.B, self.W = m, B, W
+    def __init__(self, m: StaticModel, B: int, W: int, L: int, slot: int, P: int = 0):
+        self.m, self.B, self.W, self.P = m, B, W, P
         s = m.scratch if slot < 0 else slot
+        N = B * W + P
         self.step = StepRows(
-            ids=torch.zeros(B * W, dtype=torch.long, device=m.device),
-            pos=m.positions[:W].repeat(B).clone(),  # warm-up and capture: the scratch slot's start
-            slot_of=torch.full((B * W,), m.scratch, dtype=torch.long, device=m.device),
+            ids=torch.zeros(N, dtype=torch.long, device=m.device),
+            # warm-up and capture: the scratch slot's start
+            pos=torch.cat([m.positions[:W].repeat(B), m.positions[:P]]).clone(),
+            slot_of=torch.full((N,), m.scratch, dtype=torch.long, device=m.device),
             batch=B,
             width=W,
             slots=torch.full((B,), m.scratch, dtype=torch.long, device=m.device),
             attn_len=L,
             one_slot=s if B == 1 else None,
             singles=[],
+            chunks=torch.zeros(CHUNK_ROWS, 4, dtype=torch.long, device=m.device) if P else None,
+            logit_rows=B * W if P else None,
         )
         if B == 1:  # reads the slot's cache as a view; warm-up and capture still write to the scratch slot
             self.step.slots.fill_(s)
@@ -435,23 +492,46 @@ class _Graph:
         self.graph.replay()
         return self.out.view(self.B, W, -1)[:B]
 
-    def replay(self, rows: list[Row]) -> torch.Tensor:
-        m, W = self.m, self.W
+    def replay(self, rows: list[Row], chunks: tuple[Row, ...] | list[Row] = ()) -> torch.Tensor:
+        m, W, BW = self.m, self.W, self.B * self.W
         n = len(rows)
-        ids = torch.zeros(self.B, W, dtype=torch.long, device=m.device)
-        starts = torch.zeros(self.B, dtype=torch.long)
-        slots = torch.full((self.B,), m.scratch, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, : r.tokens.shape[0]] = r.tokens
-            starts[b], slots[b] = r.start, r.slot
-        starts, slots = starts.to(m.device, non_blocking=True), slots.to(m.device, non_blocking=True)
-        self.step.ids.copy_(ids.view(-1))
-        self.step.pos.copy_((starts[:, None] + m.positions[None, :W]).view(-1))
-        if self.B > 1 or not m.per_slot_graphs:
-            self.step.slots.copy_(slots)
-        self.step.slot_of.copy_(slots.repeat_interleave(W))
+        if self.B:
+            ids = torch.zeros(self.B, W, dtype=torch.long, device=m.device)
+            starts = torch.zeros(self.B, dtype=torch.long)
+            slots = torch.full((self.B,), m.scratch, dtype=torch.long)
+            for b, r in enumerate(rows):
+                ids[b, : r.tokens.shape[0]] = r.tokens
+                starts[b], slots[b] = r.start, r.slot
+            starts, slots = starts.to(m.device, non_blocking=True), slots.to(m.device, non_blocking=True)
+            self.step.ids[:BW].copy_(ids.view(-1))
+            self.step.pos[:BW].copy_((starts[:, None] + m.positions[None, :W]).view(-1))
+            if self.B > 1 or not m.per_slot_graphs:
+                self.step.slots.copy_(slots)
+            self.step.slot_of[:BW].copy_(slots.repeat_interleave(W))
+        if self.P:
+            self._fill_chunks(chunks)
         self.graph.replay()
         return self.out[: n * W].clone()  # the buffer is overwritten by the next replay
+
+    def _fill_chunks(self, chunks: tuple[Row, ...] | list[Row]) -> None:
+        """The chunk region: each chunk's tokens at its positions in its slot, then padding tokens
+        that write to the scratch slot; the kernel's row table."""
+        m, BW = self.m, self.B * self.W
+        used = sum(r.tokens.shape[0] for r in chunks)
+        assert used <= self.P and len(chunks) <= CHUNK_ROWS
+        pad = self.P - used
+        ids = torch.cat([*(r.tokens for r in chunks), m.positions.new_zeros(pad)])
+        pos = torch.cat(
+            [*(torch.arange(r.start, r.start + r.tokens.shape[0]) for r in chunks), torch.arange(pad)]
+        )
+        slot_of = torch.cat(
+            [*(torch.full((r.tokens.shape[0],), r.slot) for r in chunks), torch.full((pad,), m.scratch)]
+        )
+        self.step.ids[BW:].copy_(ids)
+        self.step.pos[BW:].copy_(pos.to(m.device, non_blocking=True))
+        self.step.slot_of[BW:].copy_(slot_of.to(m.device, non_blocking=True))
+        assert self.step.chunks is not None
+        self.step.chunks.copy_(m._chunk_rows(list(chunks), CHUNK_ROWS))
 
 
 class StaticRunner(SlotRunner[StaticModel]):

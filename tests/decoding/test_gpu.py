@@ -58,6 +58,35 @@ def test_graph_replay_matches_eager_static(gpu_models, compile_step):
         plain.crop(plain.length - 1)
 
 
+def test_prompt_chunks_beside_decode_rows_run_as_graphs(gpu_models):
+    """A step with prompt chunks replays a graph (the fused chunk kernel) and computes what the eager
+    static forward with SDPA computes."""
+    from decoding.runner import Row
+
+    m = gpu_models["tiny"].model
+    graphs = StaticModel(m, 256, slots=4, graphs=True)
+    plain = StaticModel(m, 256, slots=4, graphs=False)
+    plain.fused_attention = False  # the SDPA path: gathered caches and additive masks
+    ids = torch.arange(10, 250, device="cuda")
+    got = {}
+    for name, sm in (("graphs", graphs), ("plain", plain)):
+        sm.forward_rows([Row(0, ids[:30], 0, "none"), Row(1, ids[40:52], 0, "none")])
+        step = sm.forward_rows(
+            [
+                Row(0, ids[30:31], 30),
+                Row(1, ids[52:55], 12),
+                Row(2, ids[60:100], 0, "none"),
+                Row(3, ids[:20], 0, "none"),
+            ]
+        )
+        assert step[2] is None and step[3] is None
+        after = sm.forward_rows([Row(2, ids[100:101], 40), Row(3, ids[20:22], 20)])
+        got[name] = [*step[:2], *after]
+    assert any(key[4] for key in graphs._graphs), "no chunk graph was captured"
+    for a, b in zip(got["graphs"], got["plain"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode,k", [("draft", 2), ("draft", 5), ("ngram", 4)])
 def test_speculation_over_graphs_is_lossless(gpu_models, mode, k):
     engine = Engine(gpu_models)

@@ -1,31 +1,41 @@
-"""The fused decode-attention kernel (decoding/kernels.py) on a GPU: it computes causal attention of
-each row over its own slot, and a query's result does not depend on the rest of the step."""
+"""The fused attention kernels (decoding/kernels.py) on a GPU: they compute causal attention of each
+row over its own slot, and a decode query's result does not depend on the rest of the step.
+
+With Triton installed, ``TRITON_INTERPRET=1`` runs them on the CPU in Triton's interpreter (float32)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from decoding import kernels
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and kernels.triton is not None
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not kernels.available(torch.device("cuda"), 128), reason="needs CUDA and Triton"),
+    pytest.mark.skipif(
+        not (INTERPRET or kernels.available(torch.device("cuda"), 128)), reason="needs CUDA and Triton"
+    ),
 ]
 
 S, LC, KV, G, HD = 6, 96, 2, 4, 128
 
 
 def _pool(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    k = torch.randn(S, LC, KV, HD, generator=gen).to("cuda", dtype)
-    v = torch.randn(S, LC, KV, HD, generator=gen).to("cuda", dtype)
+    k = torch.randn(S, LC, KV, HD, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(S, LC, KV, HD, generator=gen).to(DEVICE, dtype)
     return k, v
 
 
 def _run(q, k, v, slots, starts, tile):  # type: ignore[no-untyped-def]
     W = q.shape[1]
-    pos = (torch.tensor(starts)[:, None] + torch.arange(W)[None]).reshape(-1).cuda()
-    return kernels.decode_attention(q, k, v, torch.tensor(slots).cuda(), pos, HD**-0.5, tile)
+    pos = (torch.tensor(starts)[:, None] + torch.arange(W)[None]).reshape(-1).to(DEVICE)
+    return kernels.decode_attention(q, k, v, torch.tensor(slots).to(DEVICE), pos, HD**-0.5, tile)
 
 
 def _reference(q, k, v, slots, starts):  # type: ignore[no-untyped-def]
@@ -42,28 +52,56 @@ def _reference(q, k, v, slots, starts):  # type: ignore[no-untyped-def]
     return out.view(B, W, H * HD)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("W", [1, 4, 9])
 def test_matches_reference(dtype, W):
     gen = torch.Generator().manual_seed(W)
     k, v = _pool(dtype, gen)
     slots, starts = [4, 1, 2], [10, 0, 70]
-    q = torch.randn(3, W, KV * G, HD, generator=gen).to("cuda", dtype)
+    q = torch.randn(3, W, KV * G, HD, generator=gen).to(DEVICE, dtype)
     got = _run(q, k, v, slots, starts, kernels.block_m(9, G)).double().cpu()
     ref = _reference(q, k, v, slots, starts)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.skipif(INTERPRET, reason="the interpreter's numpy matmul rounds a row by its neighbours")
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_query_computes_the_same_bits_whatever_else_is_in_the_step(dtype):
     gen = torch.Generator().manual_seed(0)
     k, v = _pool(dtype, gen)
     tile = kernels.block_m(9, G)
-    q = torch.randn(3, 9, KV * G, HD, generator=gen).to("cuda", dtype)
+    q = torch.randn(3, 9, KV * G, HD, generator=gen).to(DEVICE, dtype)
     batch = _run(q, k, v, [4, 1, 2], [10, 0, 70], tile)  # [3, 9, H * hd]
     alone = _run(q[1:2], k, v, [1], [0], tile)  # the same row as the batch of one
     assert torch.equal(batch[1], alone[0])
     for w in (0, 3, 8):  # each query as a 1-token step at its own position
         one = _run(q[2:3, w : w + 1], k, v, [2], [70 + w], tile)
         assert torch.equal(batch[2, w], one[0, 0])
+
+
+def _chunks(chunks: list[tuple[int, int, int]], P: int) -> torch.Tensor:
+    """The chunk kernel's row table for (slot, start, tokens) chunks laid out one after another."""
+    table, at = [], 0
+    for slot, start, T in chunks:
+        table.append([slot, start, at, T])
+        at += T
+    assert at <= P
+    return torch.tensor([*table, [0, 0, 0, 0]], dtype=torch.long, device=DEVICE)  # + an unused row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunks_match_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    k, v = _pool(dtype, gen)
+    chunks = [(3, 0, 40), (0, 50, 17), (5, 20, 1)]  # a whole prompt, a later chunk, a one-token chunk
+    P = 64  # room for 58 tokens: the last 6 are padding nobody covers
+    q = torch.randn(P, KV * G, HD, generator=gen).to(DEVICE, dtype)
+    got = kernels.chunk_attention(q, k, v, _chunks(chunks, P), HD**-0.5).double().cpu()
+    at = 0
+    for slot, start, T in chunks:
+        ref = _reference(q[None, at : at + T], k, v, [slot], [start])[0]
+        err = ((got[at : at + T] - ref).norm() / ref.norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 1e-2), (slot, err)
+        at += T
+    assert torch.count_nonzero(got[at:]) == 0  # padding tokens

@@ -1,0 +1,58 @@
+# ruff: noqa: B023  (closures are timed at once, inside their loop iteration)
+"""Device probe: what a step that mixes decode rows with a prefill chunk costs, and where it goes.
+
+    python -m bench.probe_prefill
+
+On the 7B shape of ``bench.gpu`` (random weights, bf16, compiled layer halves): 16 decode rows at
+~200 tokens of context, alone (a CUDA graph replay) and beside one prompt chunk of C tokens at
+~3,000 tokens of context, as a captured graph and eagerly, device and host time per step.
+Prints a table only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench.gpu import TARGET, build
+from bench.probe_batch import event_time
+from decoding.runner import Row
+from decoding.static import StaticModel
+
+MAX_LEN = 4352
+ROWS = 16
+
+
+def main() -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    target = build(TARGET, 0)
+    tm = StaticModel(target, MAX_LEN, slots=ROWS + 2, graphs=True, compile_step=True)
+    tm.warm()
+    ids = torch.randint(0, 150000, (MAX_LEN,), device="cuda")
+    for s in range(ROWS + 1):  # every slot holds a context to attend over
+        for at in range(0, 3584, 512):
+            tm.forward_rows([Row(s, ids[at : at + 512], at, "none")])
+    slots, starts = list(range(ROWS)), [200 + s for s in range(ROWS)]
+    one = ids[:ROWS, None]  # [16, 1]
+
+    def decode() -> None:
+        tm.forward_batch(slots, starts, one)
+
+    def mixed(chunk: int, rows: int = ROWS) -> None:
+        decode_rows = [Row(s, ids[s : s + 1], st) for s, st in zip(slots[:rows], starts[:rows], strict=True)]
+        tm.forward_rows([*decode_rows, Row(ROWS, ids[:chunk], 3000, "none")])
+
+    print("step                                   device ms   host ms", flush=True)
+    dev, host = event_time(decode)
+    print(f"decode, 16 rows (graph)                {dev:9.2f} {host:9.2f}", flush=True)
+    for chunk in (32, 64, 128, 256, 512):
+        for rows, what in ((ROWS, "16 rows + chunk"), (0, "chunk alone    ")):
+            for graphs in (True, False):
+                tm.graphs_enabled = graphs
+                dev, host = event_time(lambda: mixed(chunk, rows))
+                tm.graphs_enabled = True
+                label = "graph" if graphs else "eager"
+                print(f"{what} {chunk:4d} ({label})        {dev:9.2f} {host:9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
