@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             buckets = tuple(b for b in BATCH_BUCKETS if b <= _bucket(N))
             tm.capture(range(1, 2), buckets, chunk_tokens=(256,))  # the fast engine's prefill budget
             te.capture(range(1, 2), buckets)
-            dm.capture(range(1, 9), buckets)
+            dm.capture(range(1, dm.max_graph_tokens + 1), buckets)  # a 9-token catch-up row too
             # warm-up passes capture this N's graphs (both target modes, the draft) before timing
             asyncio.run(run_requests(engines[id(fast)], requests(N, "off")))
             warm = requests(N, "on")

@@ -1,12 +1,20 @@
 """The speculation controller in a batch, against a cost model instead of a GPU: the engine's own
-choice of k (``Engine._choose_ks``: per-request SpecControllers and the batch's BatchCosts) driven with
-step times from a table of measured graph replays and drafts accepted at random with probability ``a``.
+choice of k (``Engine._choose_ks``: per-request SpecControllers alone, the batch's BatchCosts from two
+rows) driven with step times from a table of measured graph replays, as the engine would measure them.
 
-    python -m bench.sim_controller [--a 0.8] [--table h200]
+    python -m bench.sim_controller [--a 0.8] [--seeds 32]
 
-It prints, per N, the tokens per second of plain decoding, of a fixed k and of the controller, so a
-change to the controller can be judged in seconds on a CPU before a GPU run confirms it. The model
-leaves out host overheads and stalls, which only a real run measures (bench.gpu_batch).
+It prints, per N, the tokens per second of plain decoding, of a fixed k and of the controller, and the
+controller's p99 inter-token gap, so a change to the controller can be judged in seconds on a CPU
+before a GPU run confirms it (bench.gpu_batch).
+
+What it models of a real step, beyond the table: acceptance as bench.gpu_batch's replay drafter makes
+it (each output position kept with probability ``a``, drawn once per request, so every mode sees the
+same text); the host's time around a step, which no CUDA event sees; the GPU idle while the host
+launches a phase's first kernel, which the event timing does see (the draft's first pass, a plain
+step's verification); and the draft's catch-up, outside the timed draft (its prompt at the first
+proposal, and a backlog longer than ``DraftModelDrafter.INLINE_GPU`` after plain steps). Means over
+``seeds`` runs (one run at N = 1 is a single draw of 128 positions: its acceptance is 0.8 +- 0.03).
 """
 
 from __future__ import annotations
@@ -23,9 +31,19 @@ from decoding.params import RequestStats, SamplingParams
 
 # H200, Qwen2.5-7B-shaped target / 0.5B-shaped draft, bf16, compiled, graphs (bench.probe_batch):
 # seconds per target step by (batch, width) in exact mode (every row padded to 9), and per draft pass
-# by batch (each pass also costs the host about 0.2 ms, which overlaps the GPU once no sync is left).
+# by batch.
 H200_TARGET_EXACT = {1: 5.04e-3, 4: 5.2e-3, 16: 5.9e-3, 32: 9.5e-3, 64: 16.0e-3}
 H200_DRAFT = {1: 1.33e-3, 4: 1.41e-3, 16: 1.45e-3, 64: 1.60e-3}
+# bench.gpu_batch at N = 1 (docs/benchmarks.md): plain exact decode 5.56 ms a token against 5.04 ms of
+# graph, so about 0.5 ms of host per step (read-back, commit, the next step's planning), of which
+# about 0.2 ms leaves the GPU idle inside a timed phase (the host launching its first kernel); the
+# draft's eager prefill, from the TTFT of fixed k against auto's, about 13 ms, and an eager catch-up
+# of a backlog costs about as much (both are launch-bound).
+HOST_S = 0.3e-3
+LAUNCH_S = 0.2e-3
+DRAFT_PREFILL_S = 13e-3
+CATCH_UP_S = 10e-3
+PROMPT = 128
 
 
 def _interp(table: dict[int, float], n: int) -> float:
@@ -48,20 +66,29 @@ class _Target:
     name: str = "target"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
-    """What ``Engine._choose_ks`` reads of a sequence."""
+    """What ``Engine._choose_ks`` reads of a sequence, and the draft's cache length."""
 
     controller: SpecController
     drafter: object
     request: _Request
+    keep: list[bool]  # [new + 16] whether the draft's token at each output position is accepted
     target: _Target = field(default_factory=_Target)
     completion_tokens: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
+    draft_seen: int = 0  # tokens in the draft's cache
+    gaps: list[float] = field(default_factory=list)  # per token, as bench.gpu_batch counts them
 
 
-def simulate(N: int, mode: str, a: float, new: int = 128, k_fixed: int = 4, seed: int = 0) -> float:
-    """Aggregate tokens per second of N requests decoding ``new`` tokens each."""
+@dataclass
+class Result:
+    tps: float  # aggregate tokens per second
+    itl_p99: float  # seconds, over every request's per-token gaps
+
+
+def simulate(N: int, mode: str, a: float, new: int = 128, k_fixed: int = 4, seed: int = 0) -> Result:
+    """N requests decoding ``new`` tokens each from a shared start (after their prefill)."""
     rng = random.Random(seed)
     engine = Engine({})
     drafter = DraftModelDrafter.__new__(DraftModelDrafter)  # the type is what the engine checks
@@ -76,43 +103,68 @@ def simulate(N: int, mode: str, a: float, new: int = 128, k_fixed: int = 4, seed
             ),
             drafter if mode != "off" else None,
             _Request(params),
+            [rng.random() < a for _ in range(new + 16)],
         )
         for _ in range(N)
     ]
+    every = list(seqs)
     clock, tokens = 0.0, 0
     while seqs:
         ks = engine._choose_ks(seqs)  # type: ignore[arg-type]
         K = max(ks)
         B = len(seqs)
+        # the draft catches up outside its timed passes: its prompt at a row's first proposal, a
+        # backlog past the inline limit after plain steps (one forward for every row that needs it)
+        behind = [
+            s
+            for s, k in zip(seqs, ks, strict=True)
+            if k and PROMPT + s.completion_tokens - s.draft_seen > DraftModelDrafter.INLINE_GPU
+        ]
+        t_catch = 0.0
+        if behind:
+            t_catch = DRAFT_PREFILL_S if any(s.draft_seen == 0 for s in behind) else CATCH_UP_S
         t_draft = sum(_interp(H200_DRAFT, sum(k > j for k in ks)) for j in range(K))
-        t_target = _interp(H200_TARGET_EXACT, B)
+        t_draft += LAUNCH_S if K else 0.0
+        t_target = _interp(H200_TARGET_EXACT, B) + (0.0 if K else LAUNCH_S)
         engine._costs(seqs[0]).observe(B, B * (K + 1), K, t_draft, t_target)  # type: ignore[arg-type]
-        done = []
+        step = HOST_S + t_catch + t_draft + t_target
+        clock += step
         for s, k in zip(seqs, ks, strict=True):
             n = 0
-            while n < k and rng.random() < a:
+            while n < k and s.keep[s.completion_tokens + n]:
                 n += 1
             s.controller.observe(k, n, t_draft * k / K if k else 0.0, t_target)
+            if k:  # the draft's cache, cut back to the accepted drafts (it never fed its last one)
+                s.draft_seen = PROMPT + s.completion_tokens + min(n, k - 1)
             got = min(n + 1, new - s.completion_tokens)
             s.completion_tokens += got
+            s.gaps += [step / got] * got
             tokens += got
-            if s.completion_tokens >= new:
-                done.append(s)
-        clock += t_draft + t_target
-        seqs = [s for s in seqs if s not in done]
-    return tokens / clock
+        seqs = [s for s in seqs if s.completion_tokens < new]
+    gaps = sorted(g for s in every for g in s.gaps[1:])  # the first token's gap is TTFT's
+    return Result(tokens / clock, gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))])
+
+
+def mean(N: int, mode: str, a: float, seeds: int) -> Result:
+    runs = [simulate(N, mode, a, seed=s) for s in range(seeds)]
+    return Result(sum(r.tps for r in runs) / seeds, sum(r.itl_p99 for r in runs) / seeds)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", type=float, default=0.8)
+    ap.add_argument("--seeds", type=int, default=32, help="runs per point at N = 1 (fewer at larger N)")
     args = ap.parse_args()
     print(f"acceptance {args.a}: aggregate tok/s (cost model of the H200 run, exact mode)")
-    print("   N      off   on(k=4)     auto   auto/off  auto/on")
+    print("   N      off   on(k=4)     auto   auto/off  auto/on   p99 ms: off    on  auto")
     for N in (1, 2, 4, 8, 16, 32, 64):
-        off, on = simulate(N, "off", args.a), simulate(N, "on", args.a)
-        auto = sum(simulate(N, "auto", args.a, seed=s) for s in range(3)) / 3
-        print(f"{N:4d} {off:8.0f} {on:9.0f} {auto:8.0f} {auto / off:9.2f}x {auto / on:7.2f}x")
+        seeds = max(2, args.seeds // N)
+        off, on, auto = (mean(N, m, args.a, seeds) for m in ("off", "on", "auto"))
+        print(
+            f"{N:4d} {off.tps:8.0f} {on.tps:9.0f} {auto.tps:8.0f} {auto.tps / off.tps:9.2f}x"
+            f" {auto.tps / on.tps:7.2f}x {1e3 * off.itl_p99:14.1f} {1e3 * on.itl_p99:5.1f}"
+            f" {1e3 * auto.itl_p99:5.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,11 @@ class SpecController:
     # not worth even trying when free drafts, all accepted, would gain less than this (a probe's
     # draft prefill and its first verification cost more than such a gain could return)
     hopeless_margin: float = 1.1
-    remeasure_every: int = 32  # while speculating, one plain step in this many
+    remeasure_every: int = 32  # while speculating, one plain step in this many (_remeasure_period)
+    remeasure_margin: float = 1.25  # ... unless speculation beats plain by this factor: then
+    remeasure_slack: int = 4  # this many times fewer
+    # the goodput check's optimism, in standard deviations of the acceptance estimate (_acceptance_high)
+    doubt: float = 1.0
     draft_cost_prior: float = 0.0  # c before it is measured: draft / target parameters (0: prompt lookup)
     prior_acceptance: float = 0.8
     accepted_w: float = 1.0  # decayed counts behind the acceptance estimate (a prior of a = 0.5)
@@ -76,13 +80,11 @@ class SpecController:
             self.switched_off, self.off_steps = False, 0
             self.probing = True
             return self._best_k()[0]  # probe: measure speculation again
-        if self.steps % self.remeasure_every == 0:
-            return 0  # refresh the plain-step time: one noisy sample must not keep speculation on
         k, rate = self._best_k()
-        if (
-            self.t_plain is not None
-            and rate * self.min_speedup < 1.0 / self.t_plain
-            and self.t_draft is not None
+        if self.steps % self._remeasure_period(rate) == 0:
+            return 0  # refresh the plain-step time: one noisy sample must not keep speculation on
+        if self.t_draft is not None and self._best_k(self._acceptance_high())[1] * self.min_speedup < (
+            1.0 / self.t_plain
         ):
             # a probe that failed doubles the wait before the next one: where speculation does not
             # pay (a haiku), probing must cost next to nothing
@@ -134,12 +136,28 @@ class SpecController:
         )
         return best < self.hopeless_margin / self.t_plain
 
-    def _best_k(self) -> tuple[int, float]:
+    def _remeasure_period(self, rate: float) -> int:
+        """Steps between plain steps while speculating: ``remeasure_every`` while the choice is
+        close, ``remeasure_slack`` times that while speculation beats plain by ``remeasure_margin``
+        (a plain step then costs a whole step's gain and could not change the choice)."""
+        assert self.t_plain is not None
+        close = rate * self.t_plain < self.remeasure_margin * self.min_speedup
+        return self.remeasure_every * (1 if close or self.drafter_stops else self.remeasure_slack)
+
+    def _acceptance_high(self) -> float:
+        """The acceptance the goodput check judges by: the estimate plus ``doubt`` standard
+        deviations of the Beta posterior over the decayed counts, so a few early rejections in a row
+        do not switch speculation off, while a long run of them still does."""
+        n = self.accepted_w + self.rejected_w
+        a = self.acceptance
+        return min(1.0, a + self.doubt * (a * (1 - a) / (n + 1)) ** 0.5)
+
+    def _best_k(self, a: float | None = None) -> tuple[int, float]:
         if self.drafter_stops:
             return self.k_max, self.spec_tokens_w / self.spec_seconds_w if self.spec_seconds_w else 0.0
         if self.t_draft is None:
             return min(2, self.k_max), 0.0  # the first, measuring step: cheap if it turns out not to pay
-        a = self.acceptance
+        a = self.acceptance if a is None else a
         best_k, best_rate = 1, -1.0
         for k in range(1, self.k_max + 1):
             tv = self._t_verify(k) or 0.0

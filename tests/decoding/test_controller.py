@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from decoding.controller import BatchCosts, SpecController, expected_tokens
 
 
@@ -102,3 +104,73 @@ def test_a_drafter_that_stops_itself_gets_k_max_and_is_judged_on_measured_steps(
 def test_the_probe_turn_comes_once_a_period():
     costs = BatchCosts(probe_period=4)
     assert [costs.probe_turn() for _ in range(8)] == [False, False, False, True] * 2
+
+
+# GPU-like costs of one request alone (bench.sim_controller's H200 table): a draft pass costs about a
+# quarter of a verification, and verification is flat in k (exact mode pads every step to one width)
+T_DRAFT, T_TARGET = 1.3e-3, 5.0e-3
+
+
+def drive_text(c: SpecController, keep: list[bool]) -> tuple[list[int], float]:
+    """Decode ``keep``'s positions (True: the draft's token there is accepted) with injected costs;
+    the k chosen per step and the tokens per second of the whole run."""
+    ks, done, seconds = [], 0, 0.0
+    while done < len(keep) - 16:
+        k = c.choose_k()
+        n = 0
+        while n < k and keep[done + n]:
+            n += 1
+        c.observe(k, n, k * T_DRAFT, T_TARGET)
+        ks.append(k)
+        done += n + 1
+        seconds += k * T_DRAFT + T_TARGET
+    return ks, done / seconds
+
+
+def text(a: float, seed: int, n: int = 400) -> list[bool]:
+    rng = random.Random(seed)
+    return [rng.random() < a for _ in range(n + 16)]
+
+
+def best_fixed_k(a: float) -> int:
+    return max(range(1, 9), key=lambda k: expected_tokens(a, k) / (k * T_DRAFT + T_TARGET))
+
+
+def test_converges_to_the_k_that_pays_best_with_little_exploration():
+    for a in (0.6, 0.8, 0.9):
+        for seed in range(3):
+            keep = text(a, seed)
+            c = SpecController(k_max=8, draft_cost_prior=0.07)
+            ks, rate = drive_text(c, keep)
+            fixed = max(drive_text(SpecController(k_max=k, adaptive=False), keep)[1] for k in range(1, 9))
+            assert rate >= 0.93 * fixed, (a, seed, ks)
+            settled = ks[5:]
+            assert abs(sorted(settled)[len(settled) // 2] - best_fixed_k(a)) <= 1, (a, ks)
+            assert settled.count(0) <= 0.03 * len(settled), ks  # plain steps: remeasurement only
+
+
+def test_early_rejections_do_not_switch_speculation_off():
+    """Two whole rejections on the first two drafting steps, then text the draft predicts well: thin
+    evidence must not turn speculation off for a probe period (16 plain steps at N = 1)."""
+    for seed in range(20):
+        keep = [True, False, False, *text(0.8, seed, 120)]  # position 0: the first, plain step
+        c = SpecController(k_max=8, draft_cost_prior=0.07)
+        ks, _ = drive_text(c, keep)
+        assert not any(ks[i] == ks[i + 1] == 0 for i in range(1, len(ks) - 2)), (seed, ks)
+
+
+def test_a_draft_never_accepted_is_still_switched_off_within_a_few_steps():
+    c = SpecController(k_max=8, draft_cost_prior=0.07)
+    ks, _ = drive_text(c, [False] * 200)
+    first_off = next(i for i in range(2, len(ks)) if ks[i] == ks[i + 1] == 0)
+    assert first_off <= 10, ks
+    assert ks[20:].count(0) >= 0.9 * len(ks[20:])
+
+
+def test_remeasurement_is_rarer_where_speculation_clearly_pays():
+    clear = SpecController(k_max=8)  # every draft accepted: speculation pays several times over
+    ks = drive(clear, 300, accept_all=True, t_draft=T_DRAFT, t_target=T_TARGET)
+    assert ks[1:].count(0) <= 300 // 128
+    close = SpecController(k_max=8)  # a draft nearly as costly as the target: a close call (1.2x)
+    ks = drive(close, 300, accept_all=True, t_draft=0.8 * T_TARGET, t_target=T_TARGET)
+    assert ks[1:].count(0) >= 300 // 32 - 1
