@@ -15,6 +15,7 @@ import torch
 
 from bench.gpu import TARGET, build
 from bench.probe_batch import event_time
+from decoding import kernels
 from decoding.runner import Row
 from decoding.static import StaticModel
 
@@ -22,7 +23,22 @@ MAX_LEN = 4352
 ROWS = 16
 
 
+def chunk_kernel_time() -> None:
+    """The chunk kernel's device time per layer for chunks of 32 and 256 tokens at 3,000 tokens of
+    context (7B heads: 28 query, 4 kv, 128 wide)."""
+    KV, H, HD, ctx = 4, 28, 128, 3000
+    k = torch.randn(2, MAX_LEN, KV, HD, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for T in (32, 256):
+        q = torch.randn(T, H, HD, device="cuda", dtype=torch.bfloat16)
+        rows = torch.zeros(8, 4, dtype=torch.long, device="cuda")
+        rows[0] = torch.tensor([1, ctx, 0, T])
+        dev, _ = event_time(lambda: kernels.chunk_attention(q, k, v, rows, HD**-0.5))
+        print(f"chunk kernel, {T} tokens at {ctx} of context: {1e3 * dev:.1f} us per layer", flush=True)
+
+
 def main() -> None:
+    chunk_kernel_time()
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     target = build(TARGET, 0)
     tm = StaticModel(target, MAX_LEN, slots=ROWS + 2, graphs=True, compile_step=True)

@@ -159,9 +159,13 @@ def decode_attention(
 # chunk's own keys and every key before them, read from its slot of the pool like the decode kernel's,
 # so such a step needs no mask tensor and no attended-length bucket, and is captured as a CUDA graph
 # like a decode step (``StaticModel._graph``). A chunk's queries (token-major, the kv head's grouped
-# heads minor) are split into tiles of CHUNK_TILE; one program per (chunk, kv head, tile).
+# heads minor) are split into tiles, and its keys into spans of CHUNK_SPAN from position 0, one program
+# per (chunk, kv head, tile, span); the spans' partial softmaxes are then merged (flash-decoding's
+# split, Dao et al. 2023). Without the split a program walked a 3,000-token context alone, 47 blocks
+# in sequence, and a 32-token chunk cost as much per layer as a 256-token one (bench.probe_prefill).
 
-CHUNK_TILE = 64
+CHUNK_TILE = 64  # queries per program
+CHUNK_SPAN = 512  # keys per program
 
 if triton is not None:
 
@@ -170,29 +174,37 @@ if triton is not None:
         Q,  # [P, H, hd]: the step's chunk tokens, one chunk after another
         K,  # [S, Lc, KV, hd]
         V,
-        Out,  # [P, H, hd]
+        Acc,  # [spans, P, H, hd] float32: each span's unnormalised output
+        Max,  # [spans, P, H] float32: each span's running max (-inf: no key)
+        Sum,  # [spans, P, H] float32: each span's softmax denominator
         rows,  # [R, 4] int64: slot, cache position of the chunk's first token, its index in Q, tokens
         scale,
+        spans,
+        sp_n,  # P * H: one span's stride in Max and Sum
         sq_n,
         sq_h,
         sk_s,
         sk_l,
         sk_h,
-        so_n,
-        so_h,
         G: tl.constexpr,
         HD: tl.constexpr,
+        H: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SPAN: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         r = tl.program_id(0)
         j = tl.program_id(1)  # kv head
-        first = tl.program_id(2) * BLOCK_M  # the tile's first query of this chunk and kv head
+        tile = tl.program_id(2) // spans
+        span = tl.program_id(2) % spans
         slot = tl.load(rows + r * 4)
-        start = tl.load(rows + r * 4 + 1)
-        q0 = tl.load(rows + r * 4 + 2)
-        T = tl.load(rows + r * 4 + 3)  # 0: an unused row of a captured graph
+        # positions and offsets in 32 bits (the slot's base stays 64-bit): 64-bit index arithmetic on
+        # every element of a [HD, N] tile was a large part of a key block's time
+        start = tl.load(rows + r * 4 + 1).to(tl.int32)
+        q0 = tl.load(rows + r * 4 + 2).to(tl.int32)
+        T = tl.load(rows + r * 4 + 3).to(tl.int32)  # 0: an unused row of a captured graph
+        first = tile * BLOCK_M  # the tile's first query of this chunk and kv head
         m = first + tl.arange(0, BLOCK_M)
         w = m // G
         h = j * G + m % G
@@ -202,33 +214,37 @@ if triton is not None:
             Q + (q0 + w[:, None]) * sq_n + h[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0
         )
         qpos = start + w
-        # keys up to the tile's last query (none for a tile past the chunk's end)
+        # keys up to the tile's last query, within this program's span (none past the chunk's end)
         last = tl.minimum(T - 1, (first + BLOCK_M - 1) // G)
         end = tl.where(first < T * G, start + last + 1, 0)
+        lo = span * SPAN
+        hi = tl.minimum(end, lo + SPAN)
         k_base = K + slot * sk_s + j * sk_h
         v_base = V + slot * sk_s + j * sk_h
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
-        for n0 in range(0, end, BLOCK_N):
+        for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            live = n < end
+            live = n < hi
             k = tl.load(k_base + n[None, :] * sk_l + d[:, None], mask=live[None, :], other=0.0)  # [HD, N]
             s = tl.dot(q, k, input_precision=PRECISION) * scale
-            s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+            s = tl.where((n[None, :] <= qpos[:, None]) & live[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query whose keys all lie later
+            p = tl.exp(s - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)  # [N, HD]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a tile past the chunk's end saw no key
-        tl.store(
-            Out + (q0 + w[:, None]) * so_n + h[:, None] * so_h + d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=valid[:, None],
-        )
+        # this span's partials at [span, token, head]; the span's base in 64 bits (spans x P x H x HD
+        # may pass 2**31 elements), the rest in 32
+        at = (q0 + w) * H + h  # [BLOCK_M]
+        stats = span.to(tl.int64) * sp_n
+        tl.store(Max + stats + at, m_i, mask=valid)
+        tl.store(Sum + stats + at, l_i, mask=valid)
+        tl.store(Acc + stats * HD + at[:, None] * HD + d[None, :], acc, mask=valid[:, None])
 
 
 def chunk_attention(
@@ -244,28 +260,41 @@ def chunk_attention(
     KV = k_pool.shape[2]
     G = H // KV
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
-    o = torch.zeros_like(q)
-    grid = (rows.shape[0], KV, triton.cdiv(P * G, CHUNK_TILE))  # a chunk may fill the whole of q
+    spans = triton.cdiv(k_pool.shape[1], CHUNK_SPAN)  # a chunk may reach the end of the cache
+    acc = q.new_zeros(spans, P, H, hd, dtype=torch.float32)
+    mx = q.new_full((spans, P, H), float("-inf"), dtype=torch.float32)
+    sm = q.new_zeros(spans, P, H, dtype=torch.float32)
+    grid = (rows.shape[0], KV, triton.cdiv(P * G, CHUNK_TILE) * spans)  # a chunk may fill all of q
     _chunk_kernel[grid](
         q,
         k_pool,
         v_pool,
-        o,
+        acc,
+        mx,
+        sm,
         rows,
         scale,
+        spans,
+        P * H,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
         k_pool.stride(1),
         k_pool.stride(2),
-        o.stride(0),
-        o.stride(1),
         G=G,
         HD=hd,
+        H=H,
         BLOCK_M=CHUNK_TILE,
         BLOCK_N=64,
+        SPAN=CHUNK_SPAN,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
     )
-    return o.view(P, H * hd)
+    # merge the spans: each rescaled to the overall max (a span with no key weighs 0)
+    top = mx.amax(0)  # [P, H]
+    top = torch.where(top == float("-inf"), 0.0, top)
+    weight = torch.exp(mx - top)  # [spans, P, H]
+    total = (weight * sm).sum(0)  # [P, H]
+    out = (weight[..., None] * acc).sum(0) / torch.where(total == 0, 1.0, total)[..., None]
+    return out.to(q.dtype).view(P, H * hd)
