@@ -34,9 +34,8 @@ try:
 except ImportError:  # CPU-only torch builds ship no Triton: exact mode keeps torch's ops there
     triton = None
 
-# Programs a weight matrix is cut into at the least, so that one output tile row (a decode step's M
-# fits one tile) puts two programs on each of an H200's 132 SMs; fewer leave bandwidth unused.
-_MIN_PROGRAMS = 264
+# Output tiles across N at which a wide tile still puts two programs on each of an H200's 132 SMs
+_WIDE_N_PROGRAMS = 264
 
 
 def available(device: torch.device) -> bool:
@@ -56,17 +55,20 @@ class LinearConfig(NamedTuple):
 def linear_config(N: int, K: int, dtype: torch.dtype) -> LinearConfig:
     """The one tile of a weight shape: a function of (N, K, dtype), never of M (that is the point).
 
-    Decode is memory-bound (every weight is read once a step), so BLOCK_N is the widest that still cuts
-    N into ``_MIN_PROGRAMS`` programs, and BLOCK_K is long enough for wide loads. BLOCK_M = 64 is the
-    Hopper tensor-core instruction's height: at M = 9 the idle rows cost compute the step has spare,
-    and at M = 576 it keeps re-reads of the weights (one per M tile, from L2) to nine.
+    Decode is memory-bound, and without split-K the grid is N / BLOCK_N tiles times M / BLOCK_M, so
+    small-N weights (q/k/v, o, down: N of 3584..4608) take BLOCK_N = 32 to fill the SMs at M = 9
+    (112..144 programs); the cost is that every N tile reads all of x again (from L2), M / BLOCK_N
+    times the weights' own bytes, which grows with the batch. Where N is wide enough (gate/up,
+    lm_head), 128. BLOCK_M = 64, the height of Hopper's tensor-core instruction: idle rows at M = 9
+    cost compute the step has spare, and the weights' re-reads (one per M tile) stay few at
+    M = 576. A starting point, not tuned: ``bench.probe_invariant`` times each shape against cuBLAS.
     """
-    bn = next((b for b in (128, 64, 32) if -(-N // b) >= _MIN_PROGRAMS), 16)
+    bn = 128 if -(-N // 128) >= _WIDE_N_PROGRAMS else max(16, min(32, triton.next_power_of_2(N)))
     if dtype == torch.float32:  # IEEE float32 dots run on FMA units: smaller tiles, fewer registers
         bk = min(32, max(16, triton.next_power_of_2(K)))
         return LinearConfig(32, min(bn, 64), bk, 4, 2)
-    bk = min(256 if bn <= 32 else 128, max(16, triton.next_power_of_2(K)))
-    return LinearConfig(64, bn, bk, 4, 3 if bn >= 64 else 4)
+    bk = min(128, max(16, triton.next_power_of_2(K)))
+    return LinearConfig(64, bn, bk, 4, 3 if bn >= 128 else 4)
 
 
 if triton is not None:
