@@ -6,6 +6,7 @@ its static KV cache, captured in CUDA graphs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * h.to(x.dtype)
 
 
+class Ops(NamedTuple):
+    """The layer's two reductions over features: F.linear's signature and rms_norm's. Exact mode on
+    CUDA swaps in kernels whose rows do not depend on the batch (decoding/invariant.py); everything
+    else in the layer is per element and stays as it is."""
+
+    linear: Callable[..., torch.Tensor]  # (x [..., K], w [N, K], bias [N] | None) -> [..., N]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+TORCH_OPS = Ops(F.linear, rms_norm)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -59,15 +72,16 @@ def attention_in(
     sin: torch.Tensor,
     w: LayerWeights,
     d: Dims,
+    ops: Ops = TORCH_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm, fused q/k/v projection and RoPE: per token, so rows of any lengths share one matmul."""
     N = x.shape[0]
     H, KV, hd = d.n_heads, d.n_kv, d.head_dim
-    qkv = F.linear(rms_norm(x, w.ln1, d.eps), w.qkv, w.qkv_bias)
+    qkv = ops.linear(ops.rms_norm(x, w.ln1, d.eps), w.qkv, w.qkv_bias)
     q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
     q, k, v = q.view(N, H, hd), k.view(N, KV, hd), v.view(N, KV, hd)
     if w.q_norm is not None and w.k_norm is not None:
-        q, k = rms_norm(q, w.q_norm, d.eps), rms_norm(k, w.k_norm, d.eps)
+        q, k = ops.rms_norm(q, w.q_norm, d.eps), ops.rms_norm(k, w.k_norm, d.eps)
     c, s = cos[:, None], sin[:, None]  # [N, 1, hd]
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
 
@@ -77,11 +91,12 @@ def attention_out(
     o: torch.Tensor,  # [N, H * hd] attention output
     w: LayerWeights,
     d: Dims,
+    ops: Ops = TORCH_OPS,
 ) -> torch.Tensor:
     """Output projection, residual, RMSNorm and the SiLU-gated MLP: per token, like attention_in."""
-    x = x + F.linear(o, w.o)
-    gate, up = F.linear(rms_norm(x, w.ln2, d.eps), w.gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w.down)
+    x = x + ops.linear(o, w.o)
+    gate, up = ops.linear(ops.rms_norm(x, w.ln2, d.eps), w.gate_up).chunk(2, dim=-1)
+    return x + ops.linear(F.silu(gate) * up, w.down)
 
 
 def attend(

@@ -32,15 +32,16 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from decoding import kernels
+from decoding import invariant, kernels
 from decoding.layers import (
+    TORCH_OPS,
     Dims,
+    Ops,
     attend,
     attention_in,
     attention_out,
     check_supported,
     layer_weights,
-    rms_norm,
 )
 from decoding.runner import EXACT_WIDTH, FreeSlots, Row, SlotRunner, StepRows, Tokens, as_ids
 
@@ -108,6 +109,9 @@ class StaticModel:
         # exact mode: every short step of a row runs at width max_graph_tokens (and, without the fused
         # kernel, over the whole cache; see docs/architecture.md, Exact mode). Drafters never need it.
         self.exact = exact
+        # exact mode on CUDA is batch-invariant too: every matmul and RMSNorm through kernels whose
+        # rows do not depend on the rest of the batch (decoding/invariant.py); else torch's (cuBLAS)
+        self.ops: Ops = invariant.OPS if exact and invariant.available(self.device) else TORCH_OPS
         self._graphs: dict[tuple[int, int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
         # models: freeing one model's graphs must not pull memory from under another's.
@@ -191,7 +195,7 @@ class StaticModel:
             masks.append(self._mask(self.positions[:Lp][None, None, None, :] > p[None, None, :, None]))
             off += T
         for w, kc, vc in zip(self.weights, self.k_cache, self.v_cache, strict=True):
-            q, k, v = self._in(x, cos, sin, w, self.dims)  # [N, H, hd], [N, KV, hd] x2
+            q, k, v = self._in(x, cos, sin, w, self.dims, self.ops)  # [N, H, hd], [N, KV, hd] x2
             kc.index_put_((step.slot_of, step.pos), k)  # gpt-fast's KVCache.update, every row at once
             vc.index_put_((step.slot_of, step.pos), v)
             outs = []
@@ -219,7 +223,7 @@ class StaticModel:
             o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * hd]
             if self.compiled and o.shape[0] > 1:
                 torch._dynamo.maybe_mark_dynamic(o, 0)  # a new tensor each layer: marked like x
-            x = self._out(x, o, w, self.dims)
+            x = self._out(x, o, w, self.dims, self.ops)
         return x
 
     def _mask(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -228,7 +232,7 @@ class StaticModel:
         )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(h, self.norm, self.dims.eps), self.lm_head)  # [n, V]
+        return self.ops.linear(self.ops.rms_norm(h, self.norm, self.dims.eps), self.lm_head)  # [n, V]
 
     def _step(self, step: StepRows) -> torch.Tensor:
         """Logits of every token of a step [N, V], or of its first ``step.logit_rows`` (graphs

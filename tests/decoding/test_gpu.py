@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decoding import invariant
 from decoding.engine import Engine
 from decoding.loader import ModelSpec, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.runner import Row
 from decoding.static import StaticModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -183,3 +185,80 @@ def test_batched_graphs_give_each_request_its_output_alone(gpu_models, mode, k):
     expected = {r.request_id: engine.generate(r)[0] for r in reqs}
     assert run_batch(engine, reqs) == expected
     assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 2, 5, 9, 9], budget=16) == expected
+
+
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_exact_mode_logits_of_a_row_do_not_depend_on_the_batch(compile_step):
+    """Exact mode's matmuls, RMSNorms and attention are batch-invariant: a row's logits have the same
+    bits alone as in batches of 2, 5 and 16 (graph buckets 2, 8, 16: M = 18..144), in another order,
+    and beside a prefill chunk that shares its matmuls."""
+    static = StaticModel(
+        _bf16_model(512, 4, 0), 256, slots=17, graphs=True, compile_step=compile_step, exact=True
+    )
+    assert static.ops is invariant.OPS
+    runners = [static.runner() for _ in range(16)]
+    for i, r in enumerate(runners):
+        r.forward(list(range(100 + 7 * i, 120 + 11 * i)), logits=False)
+    slots, starts = [r.slot for r in runners], [r.length for r in runners]
+    prefill = Row(static.acquire(), torch.arange(40, 80).cuda(), 0, "none")
+    gen = torch.Generator().manual_seed(0)
+    for T in (1, 4):  # forward_batch writes the rows' K/V without committing them: each call rewrites
+        ids = torch.randint(0, 4096, (16, T), generator=gen).cuda()
+        alone = [
+            static.forward_batch([slots[b]], [starts[b]], ids[b : b + 1], exact=True)[0].clone()
+            for b in range(16)
+        ]
+        for B in (2, 5, 16):
+            got = static.forward_batch(slots[:B], starts[:B], ids[:B], exact=True)
+            assert all(torch.equal(got[b], alone[b]) for b in range(B)), f"batch of {B}, {T} tokens a row"
+        order = [9, 2, 14, 0, 5]
+        got = static.forward_batch(
+            [slots[b] for b in order], [starts[b] for b in order], ids[order], exact=True
+        )
+        assert all(torch.equal(got[i], alone[b]) for i, b in enumerate(order)), "rows in another order"
+        short = [Row(slots[b], ids[b], starts[b]) for b in range(5)]
+        mixed = static.forward_rows([*short, prefill], exact=True)
+        assert all(torch.equal(mixed[b], alone[b]) for b in range(5)), "beside a prefill chunk"
+
+
+@pytest.mark.parametrize("compile_step", [False, True])
+@pytest.mark.parametrize("mode,k", [("off", 1), ("draft", 3), ("ngram", 5)])
+def test_exact_mode_gives_each_request_its_output_alone_in_any_batch(compile_step, mode, k):
+    """bf16, where a batch's other rows would change a row's rounding through cuBLAS: in exact mode
+    each greedy request's tokens are the same alone as in batches of 2, 5 and 16, whoever joins."""
+    from decoding.engine import LoadedModel
+    from tests.decoding.test_batch import run_batch
+
+    target = StaticModel(
+        _bf16_model(512, 4, 0), 512, slots=16, graphs=True, compile_step=compile_step, exact=True
+    )
+    # the target's own weights as its draft (acceptance is high; rejections fall where bf16 rounds)
+    draft = StaticModel(_bf16_model(512, 4, 0), 512, slots=16, graphs=True, compile_step=compile_step)
+    models = {
+        "t": LoadedModel("t", target.model, None, draft="d", max_context=512, runner_factory=target.runner),
+        "d": LoadedModel(
+            "d",
+            draft.model,
+            None,
+            max_context=512,
+            runner_factory=draft.runner,
+            draft_runner_factory=draft.draft_runner,
+        ),
+    }
+    engine = Engine(models)
+    reqs = [
+        GenerationRequest(
+            f"x{i}",
+            "t",
+            list(range(200 + 13 * i, 230 + 17 * i)),
+            SamplingParams(max_tokens=16 + 2 * i, temperature=0, ignore_eos=True),
+            SpecParams(SpecMode(mode), max_k=k, adaptive=False),
+        )
+        for i in range(16)
+    ]
+    expected = {r.request_id: engine.generate(r)[0] for r in reqs}
+    for n in (2, 5, 16):
+        assert run_batch(engine, reqs[:n]) == {r.request_id: expected[r.request_id] for r in reqs[:n]}, n
+    # joining while others decode: their prompts prefill in the same steps (whole prompts: a chunk's
+    # attention is SDPA's, batch-invariant only at one chunking)
+    assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 9, 10, 12, 13, 15]) == expected
