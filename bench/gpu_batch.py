@@ -33,7 +33,7 @@ import torch
 import transformers
 
 from bench.gpu import DRAFT, TARGET, build, copy_bandwidth, save, weight_bytes
-from decoding.async_engine import AsyncEngine
+from decoding.async_engine import AsyncEngine, default_prefill_budget
 from decoding.drafters import DraftModelDrafter, _Drafting
 from decoding.engine import Engine, LoadedModel
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # 3. a long prompt prefilled in chunks beside 16 decoding streams
     N = min(16, max(ns))
-    ae = AsyncEngine(engine, max_active=N + 1, max_queued=N + 1, prefill_budget=256)  # fast mode
+    budget = default_prefill_budget(engine)
+    tm.capture(range(1, 2), tuple(b for b in BATCH_BUCKETS if b <= _bucket(N + 1)), chunk_tokens=(budget,))
+    ae = AsyncEngine(engine, max_active=N + 1, max_queued=N + 1, prefill_budget=budget)  # fast mode
     try:
         long_ids = torch.randint(0, 150000, (LONG_PROMPT,), generator=gen).tolist()
         late = GenerationRequest("long", "target", long_ids, SamplingParams(max_tokens=4, temperature=0), off)
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         s = summarise(t_sub, chunks, N, kv_row, weights, bw)
         R["prefill_interference"] = {
             "N": N,
-            "prefill_budget": 256,
+            "prefill_budget": budget,
             "long_prompt": LONG_PROMPT,
             "window_ms": 1e3 * (window[1] - window[0]) if window else None,
             "itl_p50_ms": s["itl_p50_ms"],

@@ -161,11 +161,13 @@ def decode_attention(
 # like a decode step (``StaticModel._graph``). A chunk's queries (token-major, the kv head's grouped
 # heads minor) are split into tiles, and its keys into spans of CHUNK_SPAN from position 0, one program
 # per (chunk, kv head, tile, span); the spans' partial softmaxes are then merged (flash-decoding's
-# split, Dao et al. 2023). Without the split a program walked a 3,000-token context alone, 47 blocks
-# in sequence, and a 32-token chunk cost as much per layer as a 256-token one (bench.probe_prefill).
+# split, Dao et al. 2023) where the chunks are short. Without the split a program walked a 3,000-token
+# context alone, 47 blocks in sequence, and a 32-token chunk cost as much per layer as a 256-token one
+# (bench.probe_prefill).
 
 CHUNK_TILE = 64  # queries per program
 CHUNK_SPAN = 512  # keys per program
+CHUNK_UNSPLIT = 256  # chunk tokens from which a program takes all of a tile's keys
 
 if triton is not None:
 
@@ -260,7 +262,9 @@ def chunk_attention(
     KV = k_pool.shape[2]
     G = H // KV
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
-    spans = triton.cdiv(k_pool.shape[1], CHUNK_SPAN)  # a chunk may reach the end of the cache
+    # split the keys only where the query tiles leave the device idle: a 256-token chunk of a 7B
+    # has 28 tiles per kv head, and splitting it cost more in partials than it saved (probe_prefill)
+    spans = triton.cdiv(k_pool.shape[1], CHUNK_SPAN) if P < CHUNK_UNSPLIT else 1
     acc = q.new_zeros(spans, P, H, hd, dtype=torch.float32)
     mx = q.new_full((spans, P, H), float("-inf"), dtype=torch.float32)
     sm = q.new_zeros(spans, P, H, dtype=torch.float32)
@@ -291,6 +295,8 @@ def chunk_attention(
         num_warps=4,
         num_stages=2,
     )
+    if spans == 1:
+        return (acc[0] / torch.where(sm[0] == 0, 1.0, sm[0])[..., None]).to(q.dtype).view(P, H * hd)
     # merge the spans: each rescaled to the overall max (a span with no key weighs 0)
     top = mx.amax(0)  # [P, H]
     top = torch.where(top == float("-inf"), 0.0, top)

@@ -262,3 +262,31 @@ def test_exact_mode_gives_each_request_its_output_alone_in_any_batch(compile_ste
     # joining while others decode: their prompts prefill in the same steps (whole prompts: a chunk's
     # attention is SDPA's, batch-invariant only at one chunking)
     assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 9, 10, 12, 13, 15]) == expected
+
+
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_exact_mode_output_does_not_depend_on_prompt_chunking(compile_step):
+    """Prompt chunks attend with the fused chunk kernel (keys in fixed blocks from position 0) and
+    share the invariant matmuls: a prompt cut into 16-token chunks beside other rows gives each greedy
+    request the tokens it gets with its prompt whole and alone."""
+    from decoding.engine import LoadedModel
+    from tests.decoding.test_batch import run_batch
+
+    target = StaticModel(
+        _bf16_model(512, 4, 0), 512, slots=8, graphs=True, compile_step=compile_step, exact=True
+    )
+    engine = Engine(
+        {"t": LoadedModel("t", target.model, None, max_context=512, runner_factory=target.runner)}
+    )
+    reqs = [
+        GenerationRequest(
+            f"c{i}",
+            "t",
+            list(range(300 + 13 * i, 340 + 29 * i)),
+            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            SpecParams(SpecMode.OFF),
+        )
+        for i in range(8)
+    ]
+    expected = {r.request_id: engine.generate(r)[0] for r in reqs}
+    assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 3, 5, 5, 8], budget=16) == expected

@@ -92,13 +92,13 @@ def _chunks(chunks: list[tuple[int, int, int]], P: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("length", [LC, 1100])  # keys in one span, and across three (CHUNK_SPAN)
-def test_chunks_match_reference(dtype, length):
+@pytest.mark.parametrize("P", [64, kernels.CHUNK_UNSPLIT])  # keys split into spans, and not
+def test_chunks_match_reference(dtype, length, P):
     gen = torch.Generator().manual_seed(1)
     k, v = _pool(dtype, gen, length)
     far = length - 60
     # a whole prompt, a later chunk, a one-token chunk, a chunk straddling spans at the cache's end
     chunks = [(3, 0, 40), (0, 50, 17), (5, 20, 1)] + ([(2, far - 5, 5)] if length > LC else [])
-    P = 64  # room for 58 tokens: the last 6 are padding nobody covers
     q = torch.randn(P, KV * G, HD, generator=gen).to(DEVICE, dtype)
     got = kernels.chunk_attention(q, k, v, _chunks(chunks, P), HD**-0.5).double().cpu()
     at = 0
