@@ -182,6 +182,7 @@ if triton is not None:
         rows,  # [R, 4] int64: slot, cache position of the chunk's first token, its index in Q, tokens
         scale,
         spans,
+        span_len,  # keys per span (the whole cache when there is one span)
         sp_n,  # P * H: one span's stride in Max and Sum
         sq_n,
         sq_h,
@@ -193,7 +194,6 @@ if triton is not None:
         H: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        SPAN: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         r = tl.program_id(0)
@@ -219,8 +219,8 @@ if triton is not None:
         # keys up to the tile's last query, within this program's span (none past the chunk's end)
         last = tl.minimum(T - 1, (first + BLOCK_M - 1) // G)
         end = tl.where(first < T * G, start + last + 1, 0)
-        lo = span * SPAN
-        hi = tl.minimum(end, lo + SPAN)
+        lo = span * span_len
+        hi = tl.minimum(end, lo + span_len)
         k_base = K + slot * sk_s + j * sk_h
         v_base = V + slot * sk_s + j * sk_h
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -279,6 +279,7 @@ def chunk_attention(
         rows,
         scale,
         spans,
+        CHUNK_SPAN if spans > 1 else k_pool.shape[1],
         P * H,
         q.stride(0),
         q.stride(1),
@@ -290,7 +291,6 @@ def chunk_attention(
         H=H,
         BLOCK_M=CHUNK_TILE,
         BLOCK_N=64,
-        SPAN=CHUNK_SPAN,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
