@@ -53,6 +53,9 @@ class ModelSpec:
     # (decoding.runner.EXACT_WIDTH; see docs/architecture.md, Exact mode). None: on, except for `auto`
     # on a CPU, where exact mode's whole-cache attention costs more than a GPU's
     exact: bool | None = None
+    # exact mode on CUDA also batch-invariant: a row's bits do not depend on the rest of the batch
+    # (decoding/invariant.py; docs/architecture.md, Exact mode), at a measured cost in throughput
+    batch_invariant: bool = False
 
 
 BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt", "llamacpp")
@@ -257,6 +260,7 @@ def runner_factories(
             graphs=backend in ("cuda_graphs", "compile"),  # StaticModel captures graphs on CUDA only
             compile_step=compile_step,
             exact=spec.exact is not False,
+            batch_invariant=spec.batch_invariant,
         )
 
     static = static_model(backend == "compile")

@@ -65,6 +65,7 @@ class StaticModel:
         max_graph_tokens: int = EXACT_WIDTH,
         compile_step: bool = False,
         exact: bool = False,
+        batch_invariant: bool = False,
     ):
         check_supported(model, max_len)
         cfg = model.config
@@ -109,9 +110,12 @@ class StaticModel:
         # exact mode: every short step of a row runs at width max_graph_tokens (and, without the fused
         # kernel, over the whole cache; see docs/architecture.md, Exact mode). Drafters never need it.
         self.exact = exact
-        # exact mode on CUDA is batch-invariant too: every matmul and RMSNorm through kernels whose
-        # rows do not depend on the rest of the batch (decoding/invariant.py); else torch's (cuBLAS)
-        self.ops: Ops = invariant.OPS if exact and invariant.available(self.device) else TORCH_OPS
+        # batch-invariant exact mode (CUDA, opt-in): every matmul and RMSNorm through kernels whose rows
+        # do not depend on the rest of the batch (decoding/invariant.py); else torch's (cuBLAS). Opt-in
+        # as vLLM's and SGLang's are: on the 7B shape it halves exact mode's throughput at 16 rows
+        # (docs/benchmarks.md, gpu-batch)
+        self.batch_invariant = exact and batch_invariant and invariant.available(self.device)
+        self.ops: Ops = invariant.OPS if self.batch_invariant else TORCH_OPS
         self._graphs: dict[tuple[int, int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
         # models: freeing one model's graphs must not pull memory from under another's.
@@ -395,11 +399,13 @@ class StaticModel:
     ) -> None:
         """Capture graphs ahead of the first request (otherwise on first use): every width in
         ``token_counts`` (exact: the exact width) for each batch bucket, at the shortest context;
-        and, for each of ``chunk_tokens``, those steps with that many tokens of prompt chunks."""
+        and those steps with prompt chunks of every bucket up to the largest of ``chunk_tokens``."""
         if not self.graphs_enabled:
             return
         widths = {self.max_graph_tokens} if self.exact else set(token_counts)
-        chunks = {_chunk_bucket(P) for P in chunk_tokens} if self.fused_attention else set()
+        # every bucket up to each size: a prompt's last chunk is shorter than the budget
+        top = max((_chunk_bucket(P) for P in chunk_tokens), default=0) if self.fused_attention else 0
+        chunks = {b for b in CHUNK_BUCKETS if b <= top}
         for P in chunks:  # prompt chunks alone
             self._graph(0, 0, 0, -1, P)
         for B in batch_sizes:

@@ -172,6 +172,7 @@ def _build_engine(settings: Settings) -> EngineClient:
             backend=m.backend,
             slots=slots,
             exact=m.exact,
+            batch_invariant=m.batch_invariant,
         )
         for m in settings.models
     ]

@@ -61,6 +61,9 @@ class ModelSettings(_Section):
     # the static backends' exact mode (see docs/architecture.md, Exact mode); unset: on wherever
     # padding is cheap (decoding.loader.ModelSpec.exact)
     exact: bool | None = None
+    # exact mode on a GPU also batch-invariant (a request's tokens do not depend on what else is in the
+    # batch), at a cost in throughput (decoding.loader.ModelSpec.batch_invariant)
+    batch_invariant: bool = False
 
 
 class AuthSettings(_Section):

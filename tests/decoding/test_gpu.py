@@ -193,7 +193,13 @@ def test_exact_mode_logits_of_a_row_do_not_depend_on_the_batch(compile_step):
     bits alone as in batches of 2, 5 and 16 (graph buckets 2, 8, 16: M = 18..144), in another order,
     and beside a prefill chunk that shares its matmuls."""
     static = StaticModel(
-        _bf16_model(512, 4, 0), 256, slots=17, graphs=True, compile_step=compile_step, exact=True
+        _bf16_model(512, 4, 0),
+        256,
+        slots=17,
+        graphs=True,
+        compile_step=compile_step,
+        exact=True,
+        batch_invariant=True,
     )
     assert static.ops is invariant.OPS
     runners = [static.runner() for _ in range(16)]
@@ -230,7 +236,13 @@ def test_exact_mode_gives_each_request_its_output_alone_in_any_batch(compile_ste
     from tests.decoding.test_batch import run_batch
 
     target = StaticModel(
-        _bf16_model(512, 4, 0), 512, slots=16, graphs=True, compile_step=compile_step, exact=True
+        _bf16_model(512, 4, 0),
+        512,
+        slots=16,
+        graphs=True,
+        compile_step=compile_step,
+        exact=True,
+        batch_invariant=True,
     )
     # the target's own weights as its draft (acceptance is high; rejections fall where bf16 rounds)
     draft = StaticModel(_bf16_model(512, 4, 0), 512, slots=16, graphs=True, compile_step=compile_step)
@@ -273,7 +285,13 @@ def test_exact_mode_output_does_not_depend_on_prompt_chunking(compile_step):
     from tests.decoding.test_batch import run_batch
 
     target = StaticModel(
-        _bf16_model(512, 4, 0), 512, slots=8, graphs=True, compile_step=compile_step, exact=True
+        _bf16_model(512, 4, 0),
+        512,
+        slots=8,
+        graphs=True,
+        compile_step=compile_step,
+        exact=True,
+        batch_invariant=True,
     )
     engine = Engine(
         {"t": LoadedModel("t", target.model, None, max_context=512, runner_factory=target.runner)}
