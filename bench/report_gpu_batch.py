@@ -48,6 +48,33 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _invariant(path: Path, E: dict[int, Any]) -> list[str]:
+    """The batch-invariant exact mode's run (the same command with every exact-mode matmul and RMSNorm
+    through decoding/invariant.py), beside this run's cuBLAS exact mode."""
+    if not path.exists():
+        return []
+    R = json.loads(path.read_text())
+    lines = [
+        "",
+        f"Batch-invariant exact mode, {R['device']}, {R['date']} (`{R['command']}` with the invariant kernels in exact "
+        "mode, this session; the kernels' own times are `python -m bench.probe_invariant`):",
+        "",
+        "| N | exact off tok/s, cuBLAS | batch-invariant | ratio | batch-invariant: on, auto tok/s | identical on, auto |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in sorted(int(k) for k in R["engine"]):
+        inv, cub = R["engine"][str(n)], E.get(n)
+        if cub is None:
+            continue
+        a, b = cub["off_exact"]["aggregate_tps"], inv["off_exact"]["aggregate_tps"]
+        lines.append(
+            f"| {n} | {a:.0f} | {b:.0f} | {b / a:.2f}x | {inv['on']['aggregate_tps']:.0f}, "
+            f"{inv['auto']['aggregate_tps']:.0f} | {inv['on'].get('identical_to_off', '-')}, "
+            f"{inv['auto'].get('identical_to_off', '-')} |"
+        )
+    return lines
+
+
 def render(path: str) -> None:
     R = json.loads(Path(path).read_text())
     ns = sorted(int(n) for n in R["engine"])
@@ -60,7 +87,8 @@ def render(path: str) -> None:
         f"Command: `{R['command']}`. Date: {R['date']}. Qwen2.5-7B-shaped target and 0.5B-shaped draft, "
         f"random weights, bf16, {'inductor-compiled layer halves under' if R['compiled'] else ''} CUDA graphs "
         f"keyed by (batch bucket, width), attention by the fused kernel (decoding/kernels.py); {R['prompt']}-token "
-        f"prompts, {R['new']} new tokens, greedy, through `AsyncEngine` (prefill budget 256 tokens per step). `off`: "
+        f"prompts, {R['new']} new tokens, greedy, through `AsyncEngine` (prefill budget 256 tokens per step; prompts "
+        "and prompt chunks of up to 512 tokens replay CUDA graphs too, attending with the fused chunk kernel). `off`: "
         "fast mode. Speculation is compared in exact mode (every row padded to width 9, docs/architecture.md), where "
         "a verification row rounds as a 1-token row does; in fast mode random weights tie their top logits at bf16 "
         "resolution often enough that outputs part and the replay's reference stops matching. Speculation on: a "
@@ -103,10 +131,10 @@ def render(path: str) -> None:
         "a tie, not a lost guarantee; the float32 tests (`tests/decoding/test_batch.py`, `test_gpu.py`) require "
         "identity. In exact mode too outputs part at some N: rows finish at different steps with speculation, so "
         "the batch's GEMMs run at another M than in the plain run, and cuBLAS picks its kernel by M (exact mode is "
-        "width-invariant, not yet batch-invariant; attention is both).",
-        "",
-        f"![aggregate tok/s by N]({PLOT.name})",
+        "width-invariant; attention is batch-invariant too). `batch_invariant: true` makes the rest so, at a price:",
     ]
+    lines += _invariant(Path(path).with_name("results_gpu_batch_invariant.json"), E)
+    lines += ["", f"![aggregate tok/s by N]({PLOT.name})"]
     write_section("gpu-batch", "\n".join(lines))
     plot(R)
 
