@@ -118,6 +118,22 @@ def _bf16_model(hidden: int, layers: int, seed: int):
         return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
+def _pair(target: StaticModel, draft: StaticModel) -> Engine:
+    """An engine serving ``target`` as "t" with ``draft`` ("d") drafting for it."""
+    from decoding.engine import LoadedModel
+
+    t = LoadedModel("t", target.model, None, draft="d", max_context=512, runner_factory=target.runner)
+    d = LoadedModel(
+        "d",
+        draft.model,
+        None,
+        max_context=512,
+        runner_factory=draft.runner,
+        draft_runner_factory=draft.draft_runner,
+    )
+    return Engine({"t": t, "d": d})
+
+
 @pytest.mark.parametrize("compile_step", [False, True])
 def test_exact_mode_rows_equal_one_token_steps_in_bf16(compile_step):
     """On a GPU, 1-row and 9-row steps run different GEMM and attention kernels; exact mode runs
@@ -138,23 +154,11 @@ def test_exact_mode_rows_equal_one_token_steps_in_bf16(compile_step):
 
 
 def test_exact_speculation_in_bf16_is_token_identical():
-    from decoding.engine import LoadedModel
 
     target = StaticModel(_bf16_model(512, 4, 0), 512, slots=2, graphs=True, exact=True)
     # the target's own weights as its draft: acceptance is high, and rejections fall on bf16 ties
     draft = StaticModel(_bf16_model(512, 4, 0), 512, slots=2, graphs=True)
-    models = {
-        "t": LoadedModel("t", target.model, None, draft="d", max_context=512, runner_factory=target.runner),
-        "d": LoadedModel(
-            "d",
-            draft.model,
-            None,
-            max_context=512,
-            runner_factory=draft.runner,
-            draft_runner_factory=draft.draft_runner,
-        ),
-    }
-    engine = Engine(models)
+    engine = _pair(target, draft)
     ids = list(range(200, 264))
     p = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
     expected, _, _ = engine.generate(GenerationRequest("a", "t", ids, p, SpecParams(SpecMode.OFF)))
@@ -232,7 +236,6 @@ def test_exact_mode_logits_of_a_row_do_not_depend_on_the_batch(compile_step):
 def test_exact_mode_gives_each_request_its_output_alone_in_any_batch(compile_step, mode, k):
     """bf16, where a batch's other rows would change a row's rounding through cuBLAS: in exact mode
     each greedy request's tokens are the same alone as in batches of 2, 5 and 16, whoever joins."""
-    from decoding.engine import LoadedModel
     from tests.decoding.test_batch import run_batch
 
     target = StaticModel(
@@ -246,18 +249,7 @@ def test_exact_mode_gives_each_request_its_output_alone_in_any_batch(compile_ste
     )
     # the target's own weights as its draft (acceptance is high; rejections fall where bf16 rounds)
     draft = StaticModel(_bf16_model(512, 4, 0), 512, slots=16, graphs=True, compile_step=compile_step)
-    models = {
-        "t": LoadedModel("t", target.model, None, draft="d", max_context=512, runner_factory=target.runner),
-        "d": LoadedModel(
-            "d",
-            draft.model,
-            None,
-            max_context=512,
-            runner_factory=draft.runner,
-            draft_runner_factory=draft.draft_runner,
-        ),
-    }
-    engine = Engine(models)
+    engine = _pair(target, draft)
     reqs = [
         GenerationRequest(
             f"x{i}",
