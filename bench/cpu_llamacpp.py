@@ -40,7 +40,19 @@ from decoding.llamacpp import cpu_threads
 from decoding.loader import ModelSpec, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
-RESULTS = Path(__file__).with_name("results_cpu_llamacpp.json")
+
+def cpu_kind() -> str:
+    """The CPU kind a run is filed under: the bf16 matrix instructions decide llama.cpp's and torch's
+    multi-row costs, so each kind keeps its own section and results (amx, avx512-bf16, avx2)."""
+    flags = next(
+        (ln.split() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), []
+    )
+    return "amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx2"
+
+
+KIND = cpu_kind()
+RESULTS = Path(__file__).with_name(f"results_cpu_llamacpp_{KIND}.json")
+SECTION = f"cpu-llamacpp-{KIND}"
 PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 # the time-to-first-token prompt: a system and a user turn, ~110 tokens with the chat template
 TTFT_CHAT = [
@@ -65,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.render:
         saved = json.loads(RESULTS.read_text())
-        write_section("cpu-llamacpp", render(saved.pop("results"), saved.pop("names"), saved))
+        write_section(SECTION, render(saved.pop("results"), saved.pop("names"), saved))
         return
     threads = cpu_threads()
     t0 = time.perf_counter()
@@ -132,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         "server": args.llama_server,
     }
     RESULTS.write_text(json.dumps({"results": results, "names": names, **meta}))
-    write_section("cpu-llamacpp", render(results, names, meta))
+    write_section(SECTION, render(results, names, meta))
 
 
 def show(prompt: str, method: str, r: Run) -> Run:
@@ -304,7 +316,7 @@ def cpu_line() -> str:
 def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str, Any]) -> str:
     ref = "llama.cpp target-only"
     lines = [
-        "## CPU: specgate on llama.cpp against llama.cpp's server (real pair)",
+        f"## CPU: specgate on llama.cpp against llama.cpp's server (real pair), {KIND} CPU",
         "",
         meta.get("stamp") or stamp(),
         "",
