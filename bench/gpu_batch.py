@@ -36,8 +36,9 @@ from bench.gpu import DRAFT, TARGET, build, copy_bandwidth, save, weight_bytes
 from decoding.async_engine import AsyncEngine, default_prefill_budget
 from decoding.drafters import DraftModelDrafter, _Drafting
 from decoding.engine import Engine, LoadedModel
+from decoding.graphs import BATCH_BUCKETS, batch_bucket
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
-from decoding.static import BATCH_BUCKETS, StaticModel, _bucket
+from decoding.static import StaticModel
 
 PROMPT, NEW = 128, 128
 LONG_PROMPT = 4000
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             row: dict[str, Any] = {}
             ref_out: dict[int, list[int]] = {}
             # every graph this N can use, captured before timing (a capture mid-run is a stall)
-            buckets = tuple(b for b in BATCH_BUCKETS if b <= _bucket(N))
+            buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N))
             tm.capture(range(1, 2), buckets, chunk_tokens=(256,))  # the fast engine's prefill budget
             te.capture(range(1, 2), buckets)
             dm.capture(range(1, dm.max_graph_tokens + 1), buckets)  # a 9-token catch-up row too
@@ -315,7 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     # 3. a long prompt prefilled in chunks beside 16 decoding streams
     N = min(16, max(ns))
     budget = default_prefill_budget(engine)
-    tm.capture(range(1, 2), tuple(b for b in BATCH_BUCKETS if b <= _bucket(N + 1)), chunk_tokens=(budget,))
+    tm.capture(
+        range(1, 2), tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N + 1)), chunk_tokens=(budget,)
+    )
     ae = AsyncEngine(engine, max_active=N + 1, max_queued=N + 1, prefill_budget=budget)  # fast mode
     try:
         long_ids = torch.randint(0, 150000, (LONG_PROMPT,), generator=gen).tolist()

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from decoding.errors import ModelLoadError
-from decoding.runner import FreeSlots, Row, SlotRunner, Tokens
+from decoding.runner import FreeSlots, PooledSlots, Row, SlotRunner, Tokens
 
 log = logging.getLogger("specgate.llamacpp")
 
@@ -77,7 +77,7 @@ def cpu_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class LlamaCppModel:
+class LlamaCppModel(PooledSlots):
     """One GGUF in a llama context with ``slots`` KV sequences of up to ``max_len`` tokens each."""
 
     def __init__(
@@ -133,18 +133,11 @@ class LlamaCppModel:
         self._pending: dict[int, int] = {}  # slot -> real tokens of its next forward_batch row
         self._free = FreeSlots(slots)
 
-    # ---- slots ------------------------------------------------------------------------------
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def acquire(self) -> int:
-        return self._free.take()
+    # ---- slots (free_slots and acquire: PooledSlots) ------------------------------------------
 
     def release(self, slot: int) -> None:
-        self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
-        self._free.give_back(slot)
+        self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)  # the slot's KV, before another takes it
+        super().release(slot)
 
     def runner(self, _model: object = None, exact: bool = True) -> LlamaCppRunner:
         """The engine's runner factory (the argument is the model stand-in, already known here)."""

@@ -82,6 +82,23 @@ class FreeSlots:
             self._free.append(slot)
 
 
+class PooledSlots:
+    """The slot bookkeeping of a batched model's KV pool (``decoding.static``, ``decoding.llamacpp``):
+    its free slots, taken by a runner and given back when the sequence ends."""
+
+    _free: FreeSlots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        return self._free.take()
+
+    def release(self, slot: int) -> None:
+        self._free.give_back(slot)
+
+
 class SlotPool(Protocol):
     device: torch.device
 

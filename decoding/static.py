@@ -16,8 +16,8 @@ kernels per step), so the forward is written for few kernels rather than through
     residual adds into a few kernels. T = 1 is compiled static; T >= 2 (verification, prefill) once
     with T dynamic.
 
-The layer's math and the weight fusion are ``decoding.layers``; this module holds the cache, the
-batching of rows into one step, and the graphs.
+The layer's math and the weight fusion are ``decoding.layers``, the graphs' buffers and buckets
+``decoding.graphs``; this module holds the cache and the batching of rows into one step.
 
     StaticModel   one model: fused weights, KV cache for ``slots`` sequences, RoPE tables, graphs
     StaticRunner  one sequence on one slot (the SequenceRunner the engine drives)
@@ -33,6 +33,14 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from decoding import invariant, kernels
+from decoding.graphs import (
+    CHUNK_BUCKETS,
+    CHUNK_ROWS,
+    _Graph,
+    batch_bucket,
+    chunk_bucket,
+    chunk_rows,
+)
 from decoding.layers import (
     TORCH_OPS,
     Dims,
@@ -43,7 +51,7 @@ from decoding.layers import (
     check_supported,
     layer_weights,
 )
-from decoding.runner import EXACT_WIDTH, FreeSlots, Row, SlotRunner, StepRows, Tokens, as_ids
+from decoding.runner import EXACT_WIDTH, FreeSlots, PooledSlots, Row, SlotRunner, StepRows, Tokens, as_ids
 
 # Dynamo settings for the compiled layer, applied only around our own calls:
 #  - no automatic dynamic shapes: the draft and target share the layer's code, and a second model's
@@ -52,7 +60,7 @@ from decoding.runner import EXACT_WIDTH, FreeSlots, Row, SlotRunner, StepRows, T
 _DYNAMO: dict[str, Any] = dict(automatic_dynamic_shapes=False, recompile_limit=64)
 
 
-class StaticModel:
+class StaticModel(PooledSlots):
     """One model's weights, a KV pool of ``slots`` sequences (plus a scratch slot that padding rows
     write to), RoPE tables, and the forward pass over several sequences at once."""
 
@@ -143,17 +151,7 @@ class StaticModel:
             None  # another compiler's whole step for one row (trt.py)
         )
 
-    # ---- slots ------------------------------------------------------------------------------
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def acquire(self) -> int:
-        return self._free.take()
-
-    def release(self, slot: int) -> None:
-        self._free.give_back(slot)
+    # ---- slots (free_slots, acquire, release: PooledSlots) -------------------------------------
 
     def runner(self, _model: PreTrainedModel | None = None, exact: bool | None = None) -> StaticRunner:
         """The engine's runner factory (the argument is the HF model, already known here)."""
@@ -194,7 +192,7 @@ class StaticModel:
             batch_mask = self._mask(keys[None, None, None, :] > p[:, None, :, None])
         masks: list[torch.Tensor] = []
         off = B * W
-        for _, T, Lp in [] if step.chunks is not None else step.singles:
+        for _, T, Lp in step.singles:
             p = step.pos[off : off + T]
             masks.append(self._mask(self.positions[:Lp][None, None, None, :] > p[None, None, :, None]))
             off += T
@@ -220,7 +218,7 @@ class StaticModel:
             off = B * W
             if step.chunks is not None:
                 outs.append(kernels.chunk_attention(q[off:], kc, vc, step.chunks, self.dims.scale))
-            for i, (s, T, Lp) in enumerate(step.singles if step.chunks is None else []):
+            for i, (s, T, Lp) in enumerate(step.singles):
                 qi = q[off : off + T][None]  # [1, T, H, hd]
                 outs.append(attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], masks[i], self.dims)[0])
                 off += T
@@ -263,14 +261,14 @@ class StaticModel:
         long = [r for r in rows if r.tokens.shape[0] > self.max_graph_tokens]
         W = self.max_graph_tokens if exact else max((r.tokens.shape[0] for r in short), default=0)
         if short and not long and self.graphs_enabled:
-            B = _bucket(len(short))
+            B = batch_bucket(len(short))
             L = self._batch_len(max(r.start for r in short) + W, exact)
             logits = self._graph(B, W, L, short[0].slot).replay(short)
         elif long and self._chunk_graph_fits(long):
             # prompt chunks beside decode rows, as a graph too: eager, such a step costs the host
             # several times what it costs the device (bench.probe_prefill)
-            B = _bucket(len(short)) if short else 0
-            P = _chunk_bucket(sum(r.tokens.shape[0] for r in long))
+            B = batch_bucket(len(short)) if short else 0
+            P = chunk_bucket(sum(r.tokens.shape[0] for r in long))
             logits = self._graph(B, W if B else 0, 0, -1, P).replay(short, long)
         else:
             step = self._plan(short, long, W, exact)
@@ -293,7 +291,7 @@ class StaticModel:
             return torch.stack([t for t in self.forward_rows(rows, exact) if t is not None])
         L = self._batch_len(max(starts) + W, exact)
         if self.graphs_enabled:
-            Bb = _bucket(B)
+            Bb = batch_bucket(B)
             return self._graph(Bb, W, L, slots[0]).run(slots, starts, ids)[:, :T]
         slot_t = torch.tensor(slots).to(self.device, non_blocking=True)  # [B]
         start_t = torch.tensor(starts).to(self.device, non_blocking=True)  # [B]
@@ -331,16 +329,6 @@ class StaticModel:
             and sum(r.tokens.shape[0] for r in long) <= CHUNK_BUCKETS[-1]
         )
 
-    def _chunk_rows(self, long: list[Row], n: int) -> torch.Tensor:
-        """The fused chunk kernel's [n, 4] row table of ``long`` (rows past them unused), on the device."""
-        table = torch.zeros(n, 4, dtype=torch.long)
-        at = 0
-        for i, r in enumerate(long):
-            T = r.tokens.shape[0]
-            table[i] = torch.tensor([r.slot, r.start, at, T])
-            at += T
-        return table.to(self.device, non_blocking=True)
-
     def _plan(self, short: list[Row], long: list[Row], W: int, exact: bool) -> StepRows:
         ids, pos, slot_of = [], [], []
         for r in short:  # padded to W: the padding writes past the row's length, which nothing reads
@@ -348,16 +336,17 @@ class StaticModel:
             ids.append(F.pad(r.tokens, (0, W - T)))
             pos.append(self.positions[r.start : r.start + W])
             slot_of.append(W * [r.slot])
-        singles = []
+        singles = []  # the SDPA path's long rows (the fused kernel takes them as ``chunks``)
+        fused = bool(long) and self.fused_attention
         for r in long:
             T = r.tokens.shape[0]
             ids.append(r.tokens)
             pos.append(self.positions[r.start : r.start + T])
             slot_of.append(T * [r.slot])
-            singles.append((r.slot, T, self._attn_len(r.start + T, False)))
+            if not fused:
+                singles.append((r.slot, T, self._attn_len(r.start + T, False)))
         flat_slots = [s for group in slot_of for s in group]
         B = len(short)
-        fused = bool(long) and self.fused_attention
         return StepRows(
             ids=torch.cat(ids),
             pos=torch.cat(pos),
@@ -368,7 +357,7 @@ class StaticModel:
             attn_len=self._batch_len(max((r.start for r in short), default=0) + W, exact) if B else 0,
             one_slot=short[0].slot if B == 1 else None,
             singles=singles,
-            chunks=self._chunk_rows(long, len(long)) if fused else None,
+            chunks=chunk_rows(long, len(long), self.device) if fused else None,
             logit_rows=B * W if all(r.logits == "none" for r in long) else None,
         )
 
@@ -404,7 +393,7 @@ class StaticModel:
             return
         widths = {self.max_graph_tokens} if self.exact else set(token_counts)
         # every bucket up to each size: a prompt's last chunk is shorter than the budget
-        top = max((_chunk_bucket(P) for P in chunk_tokens), default=0) if self.fused_attention else 0
+        top = max((chunk_bucket(P) for P in chunk_tokens), default=0) if self.fused_attention else 0
         chunks = {b for b in CHUNK_BUCKETS if b <= top}
         for P in chunks:  # prompt chunks alone
             self._graph(0, 0, 0, -1, P)
@@ -413,21 +402,6 @@ class StaticModel:
                 self._graph(B, W, self._batch_len(W, self.exact), self.scratch)
                 for P in chunks:
                     self._graph(B, W, 0, -1, P)
-
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-# prompt-chunk tokens a graph has room for, and its most chunks (more, or longer, run eagerly)
-CHUNK_BUCKETS = (32, 64, 128, 256, 512)
-CHUNK_ROWS = 8
-
-
-def _bucket(n: int) -> int:
-    """The graph batch size that holds ``n`` rows (padding rows write to the scratch slot)."""
-    return next((b for b in BATCH_BUCKETS if b >= n), n)
-
-
-def _chunk_bucket(n: int) -> int:
-    return next(b for b in CHUNK_BUCKETS if b >= n)
 
 
 def _want(logits: torch.Tensor, want: str) -> torch.Tensor | None:
@@ -450,98 +424,6 @@ def _split(
         at[id(r)] = _want(logits[off : off + T], r.logits)
         off += T
     return [at[id(r)] for r in rows]
-
-
-class _Graph:
-    """One CUDA graph for a step of B short rows of W tokens (batch bucket, width, attended length,
-    slot for a one-row graph else -1) and room for P tokens of prompt chunks after them (up to
-    CHUNK_ROWS chunks; their tokens get no logits). Static input buffers in, a static logits buffer
-    out: [B * W, V]."""
-
-    def __init__(self, m: StaticModel, B: int, W: int, L: int, slot: int, P: int = 0):
-        self.m, self.B, self.W, self.P = m, B, W, P
-        s = m.scratch if slot < 0 else slot
-        N = B * W + P
-        self.step = StepRows(
-            ids=torch.zeros(N, dtype=torch.long, device=m.device),
-            # warm-up and capture: the scratch slot's start
-            pos=torch.cat([m.positions[:W].repeat(B), m.positions[:P]]).clone(),
-            slot_of=torch.full((N,), m.scratch, dtype=torch.long, device=m.device),
-            batch=B,
-            width=W,
-            slots=torch.full((B,), m.scratch, dtype=torch.long, device=m.device),
-            attn_len=L,
-            one_slot=s if B == 1 else None,
-            singles=[],
-            chunks=torch.zeros(CHUNK_ROWS, 4, dtype=torch.long, device=m.device) if P else None,
-            logit_rows=B * W if P else None,
-        )
-        if B == 1:  # reads the slot's cache as a view; warm-up and capture still write to the scratch slot
-            self.step.slots.fill_(s)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (compilation, cuBLAS handles, autotuning)
-                m._step(self.step)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
-            self.out = m._step(self.step)
-
-    def run(self, slots: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, W], B <= the graph's batch -> logits [B, W, V], a view of the graph's buffer."""
-        m, W, B = self.m, self.W, ids.shape[0]
-        pad = self.B - B
-        host = torch.tensor([*starts, *([0] * pad)]), torch.tensor([*slots, *([m.scratch] * pad)])
-        start_t, slot_t = (t.to(m.device, non_blocking=True) for t in host)
-        self.step.ids.view(self.B, W)[:B].copy_(ids)
-        self.step.pos.copy_((start_t[:, None] + m.positions[None, :W]).view(-1))
-        if self.B > 1 or not m.per_slot_graphs:
-            self.step.slots.copy_(slot_t)
-        self.step.slot_of.copy_(slot_t.repeat_interleave(W))
-        self.graph.replay()
-        return self.out.view(self.B, W, -1)[:B]
-
-    def replay(self, rows: list[Row], chunks: tuple[Row, ...] | list[Row] = ()) -> torch.Tensor:
-        m, W, BW = self.m, self.W, self.B * self.W
-        n = len(rows)
-        if self.B:
-            ids = torch.zeros(self.B, W, dtype=torch.long, device=m.device)
-            starts = torch.zeros(self.B, dtype=torch.long)
-            slots = torch.full((self.B,), m.scratch, dtype=torch.long)
-            for b, r in enumerate(rows):
-                ids[b, : r.tokens.shape[0]] = r.tokens
-                starts[b], slots[b] = r.start, r.slot
-            starts, slots = starts.to(m.device, non_blocking=True), slots.to(m.device, non_blocking=True)
-            self.step.ids[:BW].copy_(ids.view(-1))
-            self.step.pos[:BW].copy_((starts[:, None] + m.positions[None, :W]).view(-1))
-            if self.B > 1 or not m.per_slot_graphs:
-                self.step.slots.copy_(slots)
-            self.step.slot_of[:BW].copy_(slots.repeat_interleave(W))
-        if self.P:
-            self._fill_chunks(chunks)
-        self.graph.replay()
-        return self.out[: n * W].clone()  # the buffer is overwritten by the next replay
-
-    def _fill_chunks(self, chunks: tuple[Row, ...] | list[Row]) -> None:
-        """The chunk region: each chunk's tokens at its positions in its slot, then padding tokens
-        that write to the scratch slot; the kernel's row table."""
-        m, BW = self.m, self.B * self.W
-        used = sum(r.tokens.shape[0] for r in chunks)
-        assert used <= self.P and len(chunks) <= CHUNK_ROWS
-        pad = self.P - used
-        ids = torch.cat([*(r.tokens for r in chunks), m.positions.new_zeros(pad)])
-        pos = torch.cat(
-            [*(torch.arange(r.start, r.start + r.tokens.shape[0]) for r in chunks), torch.arange(pad)]
-        )
-        slot_of = torch.cat(
-            [*(torch.full((r.tokens.shape[0],), r.slot) for r in chunks), torch.full((pad,), m.scratch)]
-        )
-        self.step.ids[BW:].copy_(ids)
-        self.step.pos[BW:].copy_(pos.to(m.device, non_blocking=True))
-        self.step.slot_of[BW:].copy_(slot_of.to(m.device, non_blocking=True))
-        assert self.step.chunks is not None
-        self.step.chunks.copy_(m._chunk_rows(list(chunks), CHUNK_ROWS))
 
 
 class StaticRunner(SlotRunner[StaticModel]):
