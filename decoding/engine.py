@@ -9,14 +9,10 @@ the same with k = 0; a request alone is the batch of one.
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from decoding.batch import DecodeBatch
 from decoding.constraints import Constraint, Shaping, logit_bias_tensor
@@ -40,113 +36,17 @@ from decoding.params import (
     StepOutput,
     TokenLogprob,
 )
-from decoding.runner import EagerRunner, SequenceRunner, Want, as_ids, forward_many
+from decoding.runner import Want, as_ids, forward_many
 from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
+from decoding.sequence import LoadedModel, Sequence
+from decoding.timing import StepTimer, read_back
 from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
-
-RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
 
 # SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
 # the probability is read for free (every op is synchronous) and measured on the real pair it pays
 # (docs/benchmarks.md). On a GPU reading it is a host sync per drafted token, a launch gap in the
 # draft's queue; that trade was not measured here, so GPUs keep drafting the chosen k.
 DRAFT_CONFIDENCE = {"cpu": 0.6}
-
-
-@dataclass
-class LoadedModel:
-    """A resident model. ``draft`` names another resident model used as its draft (may be None)."""
-
-    name: str
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    draft: str | None = None
-    max_context: int = 4096
-    eos_token_ids: tuple[int, ...] = ()
-    runner_factory: RunnerFactory = EagerRunner
-    # the runner when this model drafts for another (static backends: unpadded; see ModelSpec.exact)
-    draft_runner_factory: RunnerFactory | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @functools.cached_property
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-
-@dataclass
-class Sequence:
-    request: GenerationRequest
-    target: LoadedModel
-    runner: SequenceRunner
-    drafter: Drafter | None
-    controller: SpecController
-    generator: torch.Generator
-    counts: torch.Tensor  # [V] completion-token counts (penalties)
-    tokens: list[int] = field(default_factory=list)
-    stats: RequestStats = field(default_factory=RequestStats)
-    prefilled: bool = False
-    prefill_cost: float = 0.0  # seconds of prefill steps, in proportion to this sequence's tokens in each
-    finished: FinishReason | None = None
-    shaping: Shaping | None = None  # logit_bias and grammar (decoding/constraints.py); None: neither
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.tokens) - self.stats.prompt_tokens
-
-    def release(self) -> None:
-        self.runner.release()
-        if self.drafter is not None:
-            self.drafter.release()
-
-
-def read_back(t: torch.Tensor) -> list[int]:
-    """A step's results on the host. On CUDA the copy goes to pinned memory and the wait is an event's,
-    which releases the GIL (``tolist`` on a device tensor would hold it while the GPU finishes), so
-    the server's event loop streams the last step's tokens while this one computes."""
-    if t.device.type != "cuda":
-        return t.tolist()
-    host = t.to("cpu", non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
-
-
-class StepTimer:
-    """Draft and verification time of one step. On CUDA the work is asynchronous, so host clocks
-    would time kernel launches: events are recorded in-stream and read after the step's one sync."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            self.events[0].record()
-        else:
-            self.times = [time.perf_counter()]
-
-    def mark(self) -> None:
-        if self.cuda:
-            self.events[1].record()
-        else:
-            self.times.append(time.perf_counter())
-
-    def done(self) -> tuple[float, float]:
-        """(draft seconds, verification seconds); call after the step's host sync."""
-        if self.cuda:
-            self.events[2].record()
-            self.events[2].synchronize()  # already complete: the step's read-back waited for it
-            e = self.events
-            return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
-        self.times.append(time.perf_counter())
-        t = self.times
-        return t[1] - t[0], t[2] - t[1]
 
 
 class Engine:

@@ -26,9 +26,9 @@ from transformers import (
 )
 
 from decoding import store, tiny
-from decoding.engine import LoadedModel, RunnerFactory
 from decoding.errors import ModelLoadError, VocabMismatch
 from decoding.runner import EagerRunner
+from decoding.sequence import LoadedModel, RunnerFactory
 
 log = logging.getLogger("specgate.loader")
 

@@ -1,0 +1,72 @@
+"""What the engine holds: a resident model (``LoadedModel``) and a running request on it
+(``Sequence``: its runner, drafter, controller, generator and tokens so far)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from decoding.constraints import Shaping
+from decoding.controller import SpecController
+from decoding.drafters import Drafter
+from decoding.params import FinishReason, GenerationRequest, RequestStats
+from decoding.runner import EagerRunner, SequenceRunner
+
+RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
+
+
+@dataclass
+class LoadedModel:
+    """A resident model. ``draft`` names another resident model used as its draft (may be None)."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    draft: str | None = None
+    max_context: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    runner_factory: RunnerFactory = EagerRunner
+    # the runner when this model drafts for another (static backends: unpadded; see ModelSpec.exact)
+    draft_runner_factory: RunnerFactory | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @functools.cached_property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    target: LoadedModel
+    runner: SequenceRunner
+    drafter: Drafter | None
+    controller: SpecController
+    generator: torch.Generator
+    counts: torch.Tensor  # [V] completion-token counts (penalties)
+    tokens: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    prefilled: bool = False
+    prefill_cost: float = 0.0  # seconds of prefill steps, in proportion to this sequence's tokens in each
+    finished: FinishReason | None = None
+    shaping: Shaping | None = None  # logit_bias and grammar (decoding/constraints.py); None: neither
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens) - self.stats.prompt_tokens
+
+    def release(self) -> None:
+        self.runner.release()
+        if self.drafter is not None:
+            self.drafter.release()

@@ -1,0 +1,51 @@
+"""A step's host sync and its device timing: on CUDA the work is asynchronous, so results come back
+through one pinned copy and durations through in-stream events."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def read_back(t: torch.Tensor) -> list[int]:
+    """A step's results on the host. On CUDA the copy goes to pinned memory and the wait is an event's,
+    which releases the GIL (``tolist`` on a device tensor would hold it while the GPU finishes), so
+    the server's event loop streams the last step's tokens while this one computes."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = t.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
+
+
+class StepTimer:
+    """Draft and verification time of one step. On CUDA the work is asynchronous, so host clocks
+    would time kernel launches: events are recorded in-stream and read after the step's one sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            self.events[0].record()
+        else:
+            self.times = [time.perf_counter()]
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.times.append(time.perf_counter())
+
+    def done(self) -> tuple[float, float]:
+        """(draft seconds, verification seconds); call after the step's host sync."""
+        if self.cuda:
+            self.events[2].record()
+            self.events[2].synchronize()  # already complete: the step's read-back waited for it
+            e = self.events
+            return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
+        self.times.append(time.perf_counter())
+        t = self.times
+        return t[1] - t[0], t[2] - t[1]
