@@ -181,7 +181,7 @@ class SpecController:
         self.rejected_w = 0.9 * self.rejected_w + (1 if accepted < k else 0)
 
 
-def batch_bucket(n: int) -> int:
+def _pow2_bucket(n: int) -> int:
     """Power-of-two bucket of a count (the cost table's key)."""
     return 1 << max(0, (n - 1).bit_length())
 
@@ -216,10 +216,10 @@ class BatchCosts:
         return self.steps % (self.probe_period * self.backoff) == 0
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
-        b = batch_bucket(rows)
+        b = _pow2_bucket(rows)
         self.target[b] = _ema(self.target.get(b), t_target)
         if k > 0 and t_draft > 0:
-            d = batch_bucket(batch)
+            d = _pow2_bucket(batch)
             self.draft[d] = _ema(self.draft.get(d), t_draft / k)
 
     def t_target(self, rows: int) -> float | None:
@@ -227,7 +227,7 @@ class BatchCosts:
         as flat: optimistic, so an unmeasured shape is tried once and then known."""
         if not self.target:
             return None
-        b = batch_bucket(rows)
+        b = _pow2_bucket(rows)
         if b in self.target:
             return self.target[b]
         known = sorted(self.target)
@@ -242,7 +242,7 @@ class BatchCosts:
     def t_draft(self, batch: int) -> float | None:
         if not self.draft:
             return None
-        b = batch_bucket(batch)
+        b = _pow2_bucket(batch)
         return self.draft.get(b) or self.draft[min(self.draft, key=lambda x: abs(x - b))]
 
     def best_k(self, rows: list[tuple[float, bool, int]], draft_cost_prior: float, probe: bool) -> int:

@@ -12,7 +12,7 @@ from gateway.observability.metrics import Metrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NAME = re.compile(r"\bspecgate_[a-z_]+\b")
-SUFFIXES = ("", "_total", "batch_bucket", "_sum", "_count", "_created")
+SUFFIXES = ("", "_total", "_bucket", "_sum", "_count", "_created")
 
 
 def _exported() -> set[str]:
