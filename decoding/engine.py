@@ -10,6 +10,7 @@ the same with k = 0; a request alone is the batch of one.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -39,7 +40,7 @@ from decoding.params import (
 from decoding.runner import Want, as_ids, forward_many
 from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
 from decoding.sequence import LoadedModel, Sequence
-from decoding.timing import StepTimer, read_back
+from decoding.timing import PendingRead, StepTimer
 from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 
 # SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
@@ -49,12 +50,71 @@ from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 DRAFT_CONFIDENCE = {"cpu": 0.6}
 
 
+@dataclass
+class _Verifying:
+    """A step's verification, queued on the device; its results come back in one read: per row
+    (accepted n, candidates [k+1]). Greedy rows without penalties are verified all at once (``plain``,
+    their n first, then their argmax rows of W), the others row by row (n, then k+1 candidates)."""
+
+    flat: torch.Tensor  # [len(plain) * (1 + W) + sum over others of (2 + k)]
+    read: PendingRead
+    plain: list[int]
+    others: list[int]
+    n_drafts: list[int]  # [B]
+
+    def offsets(self) -> list[int]:
+        """Where each row's candidates start in ``flat``."""
+        W = 1 + max(self.n_drafts, default=0)
+        at = {b: len(self.plain) + i * W for i, b in enumerate(self.plain)}
+        o = len(self.plain) * (1 + W)
+        for b in self.others:
+            at[b] = o + 1
+            o += 2 + self.n_drafts[b]
+        return [at[b] for b in range(len(self.n_drafts))]
+
+    def results(self) -> list[tuple[int, list[int]]]:
+        flat = self.read.wait()  # the step's one host sync
+        ns = {b: int(flat[i]) for i, b in enumerate(self.plain)}
+        out = []
+        for b, at in enumerate(self.offsets()):
+            n = ns[b] if b in ns else int(flat[at - 1])
+            out.append((n, flat[at : at + self.n_drafts[b] + 1]))
+        return out
+
+    def chosen(self) -> torch.Tensor:
+        """[B] each row's first candidate, on the device: the token a plain step emits."""
+        return self.flat[as_ids(self.offsets(), self.flat.device)]
+
+
+@dataclass
+class _Ahead:
+    """A plain step queued before the step it follows was read back (Engine._launch_ahead), so the
+    device never waits for the host's bookkeeping: each row feeds the token the step before chose,
+    still on the device. Its rows' caches already hold that token; undone when it is not used."""
+
+    seqs: list[Sequence]
+    verifying: _Verifying
+    timer: StepTimer
+    generators: dict[int, torch.Tensor]  # id(seq) -> its generator's state before the step (sampled rows)
+
+    def undo(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if s.runner.length > len(s.tokens) - 1:
+                s.runner.crop(len(s.tokens) - 1)
+            if id(s) in self.generators:
+                s.generator.set_state(self.generators[id(s)])
+
+
 class Engine:
     def __init__(self, models: dict[str, LoadedModel], ngram_max: int = 3):
         self.models = models
         self.ngram_max = ngram_max
         self.total_steps = 0  # target forward passes, all requests (observability, tests)
         self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
+        self.overlap: bool | None = None  # queue plain steps ahead (None: where the device is CUDA)
+        self._ahead: dict[str, _Ahead] = {}  # per target: the plain step queued by the last call
+        self.ahead_steps = 0  # steps queued ahead whose results were used (observability, tests)
+        self._planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
 
     def model(self, name: str) -> LoadedModel:
         if name not in self.models:
@@ -175,10 +235,22 @@ class Engine:
     def step_batch(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[StepOutput | None]:
         """One forward pass of the target over ``seqs`` (all of one target model): decoding rows
         draft, verify and emit; prefilling rows take their next prompt chunk (within
-        ``prefill_budget`` tokens in all, None: whole prompts) and emit None until done."""
+        ``prefill_budget`` tokens in all, None: whole prompts) and emit None until done.
+
+        A step of plain rows only queues the next one before reading its own results back (the
+        rows' next tokens stay on the device), so the device runs steps back to back while the host
+        streams and schedules; the next call takes that step (``_take_ahead``)."""
+        if not seqs:
+            return []
+        entry = time.perf_counter()
+        ahead = self._ahead.pop(seqs[0].target.name, None)
+        if ahead is not None:
+            taken = self._take_ahead(ahead, seqs, entry)
+            if taken is not None:
+                return taken
         decoding = [s for s in seqs if s.prefilled]
         chunks = self._prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
-        ks = self._choose_ks(decoding)
+        ks = self._planned_ks(decoding)
         forced = [self._forced(s) for s in decoding]  # [shaping] grammar-forced tokens: free drafts
         items: list[ProposeItem] = [
             (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
@@ -186,6 +258,7 @@ class Engine:
         ]
         catch_up_many(items)  # a backlog is a one-off cost: kept out of the draft's per-token cost
         timer = StepTimer(seqs[0].target.device)
+        start = time.perf_counter()
         proposals = propose_many(items)
         proposals = [
             self._shaped(s, f, p) if s.shaping is not None and s.shaping.constraint is not None else p
@@ -199,18 +272,12 @@ class Engine:
         )
         t0 = time.perf_counter()
         logits = self._forward(decoding, batch, chunks)  # [B, W, V]
-        results = self._verify(decoding, proposals, batch, logits)  # the step's one host sync
-        t_draft, t_target = timer.done()
-        outs: dict[int, StepOutput | None] = {}
-        if decoding:
-            self._costs(seqs[0]).observe(len(decoding), batch.ids.numel(), batch.width - 1, t_draft, t_target)
-            self.total_steps += 1
-        passes = batch.width - 1  # draft passes this step ran: rows draft in lockstep up to the longest
-        for b, (s, (n, cand)) in enumerate(zip(decoding, results, strict=True)):
-            kk = batch.n_drafts[b]
-            # a row's draft time is its kk passes' share: the others' longer proposals are not its cost
-            share = t_draft * kk / passes if passes else 0.0
-            outs[id(s)] = self._commit(s, kk, n, cand, logits[b, : kk + 1], share, t_target)
+        verifying = self._verify(decoding, proposals, batch, logits)
+        timer.stop()
+        if len(decoding) == len(seqs) and max(batch.n_drafts, default=1) == 0:
+            self._launch_ahead(decoding, verifying, None, in_flight=1)
+        results = verifying.results()  # the step's one host sync
+        outs = self._commit_step(decoding, results, batch.n_drafts, logits, timer, start)
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
@@ -221,6 +288,115 @@ class Engine:
                 s.controller.observe_prefill(len(s.tokens) - 1, s.prefill_cost)
                 s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
             outs[id(s)] = None
+        return [outs.get(id(s)) for s in seqs]
+
+    def _commit_step(
+        self,
+        decoding: list[Sequence],
+        results: list[tuple[int, list[int]]],
+        n_drafts: list[int],
+        logits: torch.Tensor | None,
+        timer: StepTimer,
+        entry: float,
+    ) -> dict[int, StepOutput | None]:
+        """Every decoding row's outcome, and the step's costs for the controllers. The costs are the
+        step's wall time (host work included: it is what throughput pays), split between draft and
+        target as the device's events split them."""
+        if not decoding:
+            return {}
+        d_draft, d_target = timer.done()
+        wall = max(time.perf_counter() - entry, d_draft + d_target)
+        t_draft = wall * d_draft / (d_draft + d_target) if d_draft + d_target > 0 else 0.0
+        t_target = wall - t_draft
+        W = 1 + max(n_drafts)
+        self._costs(decoding[0]).observe(len(decoding), len(decoding) * W, W - 1, t_draft, t_target)
+        self.total_steps += 1
+        passes = W - 1  # draft passes this step ran: rows draft in lockstep up to the longest
+        outs: dict[int, StepOutput | None] = {}
+        for b, (s, (n, cand)) in enumerate(zip(decoding, results, strict=True)):
+            kk = n_drafts[b]
+            # a row's draft time is its kk passes' share: the others' longer proposals are not its cost
+            share = t_draft * kk / passes if passes else 0.0
+            rows = logits[b, : kk + 1] if logits is not None else None
+            outs[id(s)] = self._commit(s, kk, n, cand, rows, share, t_target)
+        return outs
+
+    def _overlaps(self, seq: Sequence) -> bool:
+        """Whether plain steps are queued ahead: on by default where the device runs asynchronously
+        (CUDA); ``overlap`` forces it either way (tests run it on the CPU, where it only costs)."""
+        return self.overlap if self.overlap is not None else seq.target.device.type == "cuda"
+
+    @staticmethod
+    def _chains(seq: Sequence, in_flight: int) -> bool:
+        """Whether a row's next step can be queued before the host sees the ``in_flight`` steps not
+        yet read back: it is plain, its input is the token those steps chose (nothing the host must
+        first see: a grammar, penalty counts, logprobs read from a step's logits), and max_tokens
+        cannot end it before."""
+        params = seq.request.params
+        return (
+            seq.shaping is None
+            and not params.penalised
+            and params.logprobs is None
+            and params.max_tokens - seq.completion_tokens > in_flight
+        )
+
+    def _planned_ks(self, decoding: list[Sequence]) -> list[int]:
+        """This step's k per row: chosen when the last step was queued (_launch_ahead), if for these
+        rows, else now."""
+        planned = self._planned.pop(decoding[0].target.name, None) if decoding else None
+        if planned is not None and planned[0] == [id(s) for s in decoding]:
+            return planned[1]
+        return self._choose_ks(decoding)
+
+    def _launch_ahead(
+        self, rows: list[Sequence], verifying: _Verifying, pick: list[int] | None, in_flight: int
+    ) -> None:
+        """Queue the next plain step of ``rows`` (``verifying``'s rows, or those at ``pick``) behind
+        the ``in_flight`` steps not yet read back. The rows' k for it are chosen now; when any is not
+        0 they are kept for that step, and nothing is queued."""
+        if not rows or not self._overlaps(rows[0]) or not all(self._chains(s, in_flight) for s in rows):
+            return
+        name = rows[0].target.name
+        ks = self._choose_ks(rows, pending=in_flight)
+        if any(ks):
+            self._planned[name] = ([id(s) for s in rows], ks)
+            return
+        ids = verifying.chosen()  # [B]
+        if pick is not None:
+            ids = ids[as_ids(pick, ids.device)]
+        B = len(rows)
+        batch = DecodeBatch(ids[:, None], ids.new_zeros(B, 0), [0] * B)
+        generators = {id(s): s.generator.get_state() for s in rows if not s.request.params.greedy}
+        timer = StepTimer(rows[0].target.device)
+        timer.mark()
+        logits = self._forward(rows, batch, [])
+        self._ahead[name] = _Ahead(
+            list(rows), self._verify(rows, [None] * B, batch, logits), timer, generators
+        )
+        timer.stop()
+
+    def _take_ahead(
+        self, ahead: _Ahead, seqs: list[Sequence], entry: float
+    ) -> list[StepOutput | None] | None:
+        """This call's step, queued by the last: its rows that are still here emit, the ones that left
+        are undone, and rows new since (their prefill comes next step) emit None. None, and all
+        undone, when no row of it is here."""
+        here = {id(s) for s in seqs if s.finished is None}
+        kept = [s for s in ahead.seqs if id(s) in here]
+        ahead.undo([s for s in ahead.seqs if id(s) not in here])
+        if not kept:
+            return None
+        queued = {id(s) for s in ahead.seqs}
+        if all(id(s) in queued for s in seqs):  # no new rows: queue the next step before this one's read
+            pos = {id(s): i for i, s in enumerate(ahead.seqs)}
+            pick = None if len(kept) == len(ahead.seqs) else [pos[id(s)] for s in kept]
+            self._launch_ahead(kept, ahead.verifying, pick, in_flight=2)
+        results = ahead.verifying.results()
+        self.ahead_steps += 1
+        by_row = dict(zip((id(s) for s in ahead.seqs), results, strict=True))
+        outs = self._commit_step(
+            kept, [by_row[id(s)] for s in kept], [0] * len(kept), None, ahead.timer, entry
+        )
         return [outs.get(id(s)) for s in seqs]
 
     @staticmethod
@@ -301,8 +477,8 @@ class Engine:
     def _costs(self, seq: Sequence) -> BatchCosts:
         return self.costs.setdefault(seq.target.name, BatchCosts())
 
-    def _choose_ks(self, decoding: list[Sequence]) -> list[int]:
-        """Each row's k, never past max_tokens. Alone: its own controller's choice. In a batch: one k
+    def _choose_ks(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
+        """Each row's k, never past max_tokens (``pending``: tokens of steps not yet read back). Alone: its own controller's choice. In a batch: one k
         for every adaptive row, the one that pays for the batch as a whole (BatchCosts.best_k);
         rows with a fixed k keep it."""
         if not decoding:
@@ -332,7 +508,7 @@ class Engine:
                 k = min(k_shared, s.controller.k_max)
             else:
                 k = s.controller.choose_k()
-            remaining = s.request.params.max_tokens - s.completion_tokens
+            remaining = s.request.params.max_tokens - s.completion_tokens - pending
             ks.append(max(0, min(k, remaining - 1)))
         return ks
 
@@ -342,10 +518,10 @@ class Engine:
         proposals: list[Proposal | None],
         batch: DecodeBatch,
         logits: torch.Tensor,  # [B, W, V]
-    ) -> list[tuple[int, list[int]]]:
+    ) -> _Verifying:
         """Verify every decoding row with the pure verifiers: greedy rows without penalties all at
-        once, the others (their own sampling parameters, generator, penalties) row by row. The
-        step's one host sync reads every row's result at once: (accepted n, candidates [k+1])."""
+        once, the others (their own sampling parameters, generator, penalties) row by row. Queued on
+        the device; the step's one host sync (``_Verifying.results``) reads every row's result."""
         plain = [
             b
             for b, s in enumerate(decoding)
@@ -373,21 +549,8 @@ class Engine:
                 probs = probs_from_logits(processed, params)
                 n1, cand = verify_sampling(draft_tokens, prop.probs if prop else None, probs, s.generator)
             parts += [n1[None], cand]
-        if not parts:
-            return []
-        flat = read_back(torch.cat(parts))  # the one host sync of the step
-        out: dict[int, tuple[int, list[int]]] = {}
-        W, at = batch.width, 0
-        if plain:
-            ns, am_flat = flat[: len(plain)], flat[len(plain) : len(plain) * (1 + W)]
-            for i, b in enumerate(plain):
-                out[b] = (int(ns[i]), am_flat[i * W : i * W + batch.n_drafts[b] + 1])
-            at = len(plain) * (1 + W)
-        for b in others:
-            k = batch.n_drafts[b]
-            out[b] = (int(flat[at]), flat[at + 1 : at + 2 + k])
-            at += 2 + k
-        return [out[b] for b in range(len(decoding))]
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=logits.device)
+        return _Verifying(flat, PendingRead(flat), plain, others, list(batch.n_drafts))
 
     def _commit(
         self,
@@ -395,14 +558,15 @@ class Engine:
         kk: int,
         n: int,
         cand: list[int],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,  # [kk+1, V] the row's logits (needed for logprobs alone)
         t_draft: float,
         t_target: float,
     ) -> StepOutput:
         req, params = seq.request, seq.request.params
         n_before = len(seq.tokens)
         new_list = cand[: n + 1]
-        seq.runner.crop(n_before + n)
+        if kk:  # a plain step leaves nothing to cut, and steps queued after it must keep their token
+            seq.runner.crop(n_before + n)
         if seq.drafter is not None:
             seq.drafter.rollback(n_before + n)
         seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target)
@@ -414,6 +578,7 @@ class Engine:
             seq.shaping.constraint.commit(new_list)  # [shaping] the matcher advances by accepted tokens only
         logprobs = None
         if params.logprobs is not None and new_list:
+            assert logits is not None, "a row that wants logprobs is never queued ahead"
             new = as_ids(new_list, logits.device)
             rows = logprobs_of(logits[: len(new_list)], new, params.logprobs)
             logprobs = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)]

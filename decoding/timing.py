@@ -8,17 +8,29 @@ import time
 import torch
 
 
+class PendingRead:
+    """A step's results on their way to the host. On CUDA the copy goes to pinned memory and the wait
+    is an event's, which releases the GIL (``tolist`` on a device tensor would hold it while the GPU
+    finishes), so the server's event loop streams the last step's tokens while this one computes; and
+    work queued after the copy (the next step, launched ahead) does not delay it."""
+
+    def __init__(self, t: torch.Tensor):
+        self.done: torch.cuda.Event | None = None
+        if t.device.type == "cuda":
+            t = t.to("cpu", non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        self.host = t
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 def read_back(t: torch.Tensor) -> list[int]:
-    """A step's results on the host. On CUDA the copy goes to pinned memory and the wait is an event's,
-    which releases the GIL (``tolist`` on a device tensor would hold it while the GPU finishes), so
-    the server's event loop streams the last step's tokens while this one computes."""
-    if t.device.type != "cuda":
-        return t.tolist()
-    host = t.to("cpu", non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
+    """A step's results on the host, now (PendingRead)."""
+    return PendingRead(t).wait()
 
 
 class StepTimer:
@@ -39,13 +51,18 @@ class StepTimer:
         else:
             self.times.append(time.perf_counter())
 
-    def done(self) -> tuple[float, float]:
-        """(draft seconds, verification seconds); call after the step's host sync."""
+    def stop(self) -> None:
+        """The step's work is all queued: its end, before anything queued after it (a step ahead)."""
         if self.cuda:
             self.events[2].record()
+        else:
+            self.times.append(time.perf_counter())
+
+    def done(self) -> tuple[float, float]:
+        """(draft seconds, verification seconds); call after ``stop`` and the step's host sync."""
+        if self.cuda:
             self.events[2].synchronize()  # already complete: the step's read-back waited for it
             e = self.events
             return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
-        self.times.append(time.perf_counter())
         t = self.times
         return t[1] - t[0], t[2] - t[1]

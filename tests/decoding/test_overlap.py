@@ -1,0 +1,92 @@
+"""Plain steps queued ahead (Engine.overlap: on by default on CUDA, forced here on the CPU, where it
+only costs): the step after a plain one is launched before the host reads that one back, from the
+tokens it chose on the device. Nothing a request sees may change: its output alone and in a batch,
+as rows join, finish (by length or a stop token) and abort while a step of theirs is queued, and a
+seeded request's draws."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decoding.async_engine import AsyncEngine
+from decoding.engine import Engine
+from decoding.params import FinishReason
+from tests.decoding.test_batch import PROMPTS, _collect, alone, request, run_batch
+
+
+def overlapping(models) -> Engine:
+    engine = Engine(models)
+    engine.overlap = True
+    return engine
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_output_is_the_same_with_steps_queued_ahead(tiny_models, sampled):
+    kw = dict(temperature=0.9, top_p=0.95, top_k=50) if sampled else {}
+    reqs = [
+        request(tiny_models, p, "off", max_tokens=6 + 5 * i, seed=7 + i, **kw) for i, p in enumerate(PROMPTS)
+    ]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    engine = overlapping(tiny_models)
+    assert {r.request_id: alone(engine, r) for r in reqs} == expected
+    assert run_batch(engine, reqs) == expected
+    taken = engine.ahead_steps
+    assert taken > 0, "no step was queued ahead"
+    # rows joining (their prefill waits a step), leaving at their max_tokens, prompts in chunks
+    assert run_batch(engine, reqs, join_at=[0, 3, 3, 7, 1, 12], budget=5) == expected
+    assert engine.ahead_steps > taken
+
+
+def test_a_stop_token_ends_a_row_whose_next_step_is_queued(tiny_models):
+    """A row that meets its stop token had its next step queued already: that step is dropped, the
+    row ends where it would alone, and the others go on unchanged."""
+    ref = Engine(tiny_models)
+    free = alone(ref, request(tiny_models, PROMPTS[1], max_tokens=20))
+    stop = free[6]
+    reqs = [request(tiny_models, PROMPTS[1], max_tokens=20, stop_token_ids=[stop])] + [
+        request(tiny_models, p, max_tokens=20) for p in (PROMPTS[0], PROMPTS[4])
+    ]
+    expected = {r.request_id: alone(ref, r) for r in reqs}
+    assert expected[reqs[0].request_id] == free[: free.index(stop)]
+    engine = overlapping(tiny_models)
+    assert run_batch(engine, reqs) == expected
+
+
+def test_mixed_plain_and_speculative_rows_with_overlap(tiny_models):
+    """Speculating rows are never queued ahead (their next input depends on what verification kept);
+    a batch that mixes them, and adaptive rows that turn speculation off, still match alone."""
+    reqs = [
+        request(tiny_models, PROMPTS[0], "off"),
+        request(tiny_models, PROMPTS[4], "ngram", 4),
+        request(tiny_models, PROMPTS[5], "draft", 6, adaptive=True),
+        request(tiny_models, PROMPTS[2], "off", logprobs=2),
+        request(tiny_models, PROMPTS[3], "off", presence_penalty=0.5),
+    ]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    engine = overlapping(tiny_models)
+    assert run_batch(engine, reqs, join_at=[0, 0, 2, 4, 5], budget=7) == expected
+
+
+async def test_abort_while_a_step_is_queued_frees_the_slot(tiny_models):
+    engine = overlapping(tiny_models)
+    reqs = [request(tiny_models, p, max_tokens=30) for p in PROMPTS[:4]]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    ae = AsyncEngine(engine, max_active=8)
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(_collect(ae, r) for r in reqs[:3]), _collect(ae, reqs[3], stop_after=3)), 120
+        )
+        for r, (tokens, finish) in zip(reqs[:3], results[:3], strict=True):
+            assert tokens == expected[r.request_id] and finish == FinishReason.LENGTH
+        assert results[3][0] == expected[reqs[3].request_id][: len(results[3][0])]
+        for _ in range(100):
+            if ae.active == 0:
+                break
+            await asyncio.sleep(0.02)
+        static = tiny_models["tiny"].runner_factory.__self__
+        assert ae.active == 0 and static.free_slots == static.slots
+    finally:
+        ae.shutdown()
+    assert engine.ahead_steps > 0
