@@ -99,6 +99,46 @@ def attention_out(
     return x + ops.linear(F.silu(gate) * up, w.down)
 
 
+def layer_entry(
+    x: torch.Tensor,  # [N, D]
+    cos: torch.Tensor,  # [N, hd]
+    sin: torch.Tensor,
+    w: LayerWeights,
+    k_cache: torch.Tensor,  # [slots + 1, cache_len, KV, hd]
+    v_cache: torch.Tensor,
+    slot_of: torch.Tensor,  # [N] each token's slot
+    pos: torch.Tensor,  # [N] each token's cache position
+    d: Dims,
+    ops: Ops = TORCH_OPS,
+) -> torch.Tensor:
+    """attention_in, and every token's K/V written into the pool (gpt-fast's KVCache.update, every
+    row at once): in one compiled region the write is part of RoPE's kernel, not two more. -> q [N, H, hd]"""
+    q, k, v = attention_in(x, cos, sin, w, d, ops)
+    k_cache.index_put_((slot_of, pos), k)
+    v_cache.index_put_((slot_of, pos), v)
+    return q
+
+
+def layer_boundary(
+    x: torch.Tensor,  # [N, D] layer i's input (residual)
+    o: torch.Tensor,  # [N, H * hd] layer i's attention output
+    w: LayerWeights,  # layer i
+    w_next: LayerWeights,  # layer i + 1
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # layer i + 1's
+    v_cache: torch.Tensor,
+    slot_of: torch.Tensor,
+    pos: torch.Tensor,
+    d: Dims,
+    ops: Ops = TORCH_OPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Everything between two layers' attention: attention_out of layer i, then layer_entry of layer
+    i + 1. One compiled region, so the residual add fuses into the next RMSNorm. -> (x, q)"""
+    x = attention_out(x, o, w, d, ops)
+    return x, layer_entry(x, cos, sin, w_next, k_cache, v_cache, slot_of, pos, d, ops)
+
+
 def attend(
     q: torch.Tensor,  # [B, W, H, hd]
     k_cache: torch.Tensor,  # [B, L, KV, hd] (a view or a gather of the rows' slots)

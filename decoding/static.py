@@ -46,9 +46,10 @@ from decoding.layers import (
     Dims,
     Ops,
     attend,
-    attention_in,
     attention_out,
     check_supported,
+    layer_boundary,
+    layer_entry,
     layer_weights,
 )
 from decoding.runner import EXACT_WIDTH, FreeSlots, PooledSlots, Row, SlotRunner, StepRows, Tokens, as_ids
@@ -140,12 +141,16 @@ class StaticModel(PooledSlots):
         # the fused kernel reads a one-row step's slot from a buffer (StaticModel._graph)
         self.per_slot_graphs = not self.fused_attention
         self.compiled = compile_step
-        self._in: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_in
+        self._entry: Callable[..., torch.Tensor] = layer_entry
+        self._between: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_boundary
         self._out: Callable[..., torch.Tensor] = attention_out
         if compile_step:
             # our CUDA graphs are the graphs: inductor's own (mode="reduce-overhead") are not used.
             # Attention stays outside the compiled code: its shapes vary by row, the rest is per token.
-            self._in = torch.compile(attention_in, fullgraph=True, dynamic=False)
+            # Between two attentions is one region (layer_boundary): the residual add fuses into the
+            # next RMSNorm and the K/V write into RoPE's kernel.
+            self._entry = torch.compile(layer_entry, fullgraph=True, dynamic=False)
+            self._between = torch.compile(layer_boundary, fullgraph=True, dynamic=False)
             self._out = torch.compile(attention_out, fullgraph=True, dynamic=False)
         self.step_override: Callable[..., torch.Tensor] | None = (
             None  # another compiler's whole step for one row (trt.py)
@@ -179,9 +184,10 @@ class StaticModel(PooledSlots):
         """Hidden states [N, D] of every token of ``step``; writes their K/V into the pool."""
         x = F.embedding(step.ids, self.embed)  # [N, D]
         cos, sin = self.cos[step.pos], self.sin[step.pos]  # [N, hd]
+        slot_of, pos = step.slot_of, step.pos
         if self.compiled and step.ids.shape[0] > 1:
             # one compile serves every token count > 1 (N = 1 stays static)
-            for t in (x, cos, sin):
+            for t in (x, cos, sin, slot_of, pos):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         H, hd = self.dims.n_heads, self.dims.head_dim
         B, W, L = step.batch, step.width, step.attn_len
@@ -196,10 +202,11 @@ class StaticModel(PooledSlots):
             p = step.pos[off : off + T]
             masks.append(self._mask(self.positions[:Lp][None, None, None, :] > p[None, None, :, None]))
             off += T
-        for w, kc, vc in zip(self.weights, self.k_cache, self.v_cache, strict=True):
-            q, k, v = self._in(x, cos, sin, w, self.dims, self.ops)  # [N, H, hd], [N, KV, hd] x2
-            kc.index_put_((step.slot_of, step.pos), k)  # gpt-fast's KVCache.update, every row at once
-            vc.index_put_((step.slot_of, step.pos), v)
+        n = len(self.weights)
+        q = self._entry(
+            x, cos, sin, self.weights[0], self.k_cache[0], self.v_cache[0], slot_of, pos, self.dims, self.ops
+        )
+        for i, (w, kc, vc) in enumerate(zip(self.weights, self.k_cache, self.v_cache, strict=True)):
             outs = []
             if B and self.fused_attention:
                 qb = q[: B * W].view(B, W, H, hd)
@@ -218,14 +225,20 @@ class StaticModel(PooledSlots):
             off = B * W
             if step.chunks is not None:
                 outs.append(kernels.chunk_attention(q[off:], kc, vc, step.chunks, self.dims.scale))
-            for i, (s, T, Lp) in enumerate(step.singles):
+            for (s, T, Lp), mask in zip(step.singles, masks, strict=True):
                 qi = q[off : off + T][None]  # [1, T, H, hd]
-                outs.append(attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], masks[i], self.dims)[0])
+                outs.append(attend(qi, kc[s : s + 1, :Lp], vc[s : s + 1, :Lp], mask, self.dims)[0])
                 off += T
             o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * hd]
             if self.compiled and o.shape[0] > 1:
                 torch._dynamo.maybe_mark_dynamic(o, 0)  # a new tensor each layer: marked like x
-            x = self._out(x, o, w, self.dims, self.ops)
+            if i + 1 < n:  # q [N, H, hd] of the next layer, whose K/V are in its cache
+                nxt = self.weights[i + 1], self.k_cache[i + 1], self.v_cache[i + 1]
+                x, q = self._between(
+                    x, o, w, nxt[0], cos, sin, nxt[1], nxt[2], slot_of, pos, self.dims, self.ops
+                )
+            else:
+                x = self._out(x, o, w, self.dims, self.ops)
         return x
 
     def _mask(self, hidden: torch.Tensor) -> torch.Tensor:
