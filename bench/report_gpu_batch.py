@@ -23,7 +23,9 @@ def plot(R: dict[str, Any]) -> None:
 
     ns = sorted(int(n) for n in R["engine"])
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for mode in ("off", "off_exact", "on", "auto"):
+    for mode in ("off", "off_exact", "on", "auto", "auto_fast"):
+        if any(mode not in R["engine"][str(n)] for n in ns):
+            continue
         ax.plot(
             ns,
             [R["engine"][str(n)][mode]["aggregate_tps"] for n in ns],
@@ -46,6 +48,13 @@ def plot(R: dict[str, Any]) -> None:
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
+
+
+def _auto_fast(row: dict[str, Any]) -> str:
+    a = row.get("auto_fast")
+    if not a or "error" in a:
+        return "-"
+    return f"{a['aggregate_tps']:.0f}, {a['aggregate_tps'] / row['off']['aggregate_tps']:.2f}x"
 
 
 def _invariant(path: Path, E: dict[int, Any]) -> list[str]:
@@ -97,8 +106,8 @@ def render(path: str) -> None:
         "batch-aware cap. "
         "Roofline: copy bandwidth / (weights + each row's KV bytes at the mean context) per step.",
         "",
-        "| N | off tok/s | off decode, % roofline | exact: off tok/s | exact: on | exact: auto | on, auto / off (exact) | transformers tok/s | off / transformers | ITL p50 / p99 ms (off) | TTFT p50 ms (off) | identical on, auto |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | off tok/s | off decode, % roofline | exact: off tok/s | exact: on | exact: auto | on, auto / off (exact) | fast: auto tok/s, / off | transformers tok/s | off / transformers | ITL p50 / p99 ms (off) | TTFT p50 ms (off) | identical on, auto, auto fast |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in ns:
         off, offx, on, auto = E[n]["off"], E[n]["off_exact"], E[n]["on"], E[n]["auto"]
@@ -112,8 +121,10 @@ def render(path: str) -> None:
             f"| {n} | {off['aggregate_tps']:.0f} | {off['decode_tps']:.0f}, {off['roofline_fraction']:.0%} | "
             f"{offx['aggregate_tps']:.0f} | {on['aggregate_tps']:.0f} | {auto['aggregate_tps']:.0f} | "
             f"{on['aggregate_tps'] / offx['aggregate_tps']:.2f}x, {auto['aggregate_tps'] / offx['aggregate_tps']:.2f}x | "
+            f"{_auto_fast(E[n])} | "
             f"{hs} | {ratio} | {off['itl_p50_ms']:.1f} / {off['itl_p99_ms']:.1f} | {off['ttft_p50_ms']:.0f} | "
-            f"{on.get('identical_to_off', '-')}, {auto.get('identical_to_off', '-')} |"
+            f"{on.get('identical_to_off', '-')}, {auto.get('identical_to_off', '-')}, "
+            f"{E[n].get('auto_fast', {}).get('identical_to_off', '-')} |"
         )
     P = R.get("prefill_interference")
     if P:
