@@ -218,17 +218,35 @@ def _draft_pass(runners: list[SequenceRunner], feed: list[torch.Tensor]) -> torc
     return torch.cat([o for o in out if o is not None])
 
 
+# A catch-up pass holds at most this many rows and each runner's prefill_chunk tokens in all: the
+# static backend's prompt-chunk graphs (decoding/graphs.py, CHUNK_ROWS and the largest chunk bucket).
+# Past them a pass runs eagerly, which on the H200 stalled a 16-row batch's first draft (16 prompts
+# of 131 tokens, one pass) for 0.6 s (bench.probe_auto_fast).
+CATCH_UP_ROWS = 8
+
+
 def catch_up_many(items: list[ProposeItem]) -> None:
-    """Draft models absorb their backlogs (a prompt, tokens from plain steps) in one forward pass
-    before the rows that will draft do so."""
-    rows = []
+    """Draft models absorb their backlogs (a prompt, tokens from plain steps) before the rows that
+    will draft do so: in passes of up to CATCH_UP_ROWS rows and a prefill chunk of tokens."""
+    todo = []
     for drafter, tokens, k, *_ in items:
         if isinstance(drafter, DraftModelDrafter) and k > 0:
             seen = drafter.runner.length
             if len(tokens) - seen > drafter.inline:
-                rows.append((drafter.runner, as_ids(tokens[seen:-1], drafter.device)))
-    if rows:
-        forward_many([r for r, _ in rows], [t for _, t in rows], ["none"] * len(rows))
+                todo.append((drafter.runner, tokens[seen:-1], drafter.device))
+    while todo:
+        budget = getattr(todo[0][0], "prefill_chunk", None) or sum(len(t) for _, t, _ in todo)
+        batch: list[tuple[SequenceRunner, torch.Tensor]] = []
+        rest = []
+        for runner, toks, device in todo:
+            n = min(len(toks), budget) if len(batch) < CATCH_UP_ROWS else 0
+            if n:
+                batch.append((runner, as_ids(toks[:n], device)))
+                budget -= n
+            if n < len(toks):
+                rest.append((runner, toks[n:], device))
+        forward_many([r for r, _ in batch], [t for _, t in batch], ["none"] * len(batch))
+        todo = rest
 
 
 def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:

@@ -48,9 +48,22 @@ class _Graph:
 
     def __init__(self, m: StaticModel, B: int, W: int, L: int, slot: int, P: int = 0):
         self.m, self.B, self.W, self.P = m, B, W, P
-        s = m.scratch if slot < 0 else slot
+        with torch.inference_mode():  # as every step's tensors are: compiled code guards on the kind
+            self.step = self._buffers(m, B, W, L, m.scratch if slot < 0 else slot, P)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (compilation, cuBLAS handles, autotuning)
+                m._step(self.step)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
+            self.out = m._step(self.step)
+
+    @staticmethod
+    def _buffers(m: StaticModel, B: int, W: int, L: int, s: int, P: int) -> StepRows:
         N = B * W + P
-        self.step = StepRows(
+        step = StepRows(
             ids=torch.zeros(N, dtype=torch.long, device=m.device),
             # warm-up and capture: the scratch slot's start
             pos=torch.cat([m.positions[:W].repeat(B), m.positions[:P]]).clone(),
@@ -65,16 +78,8 @@ class _Graph:
             logit_rows=B * W if P else None,
         )
         if B == 1:  # reads the slot's cache as a view; warm-up and capture still write to the scratch slot
-            self.step.slots.fill_(s)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (compilation, cuBLAS handles, autotuning)
-                m._step(self.step)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
-            self.out = m._step(self.step)
+            step.slots.fill_(s)
+        return step
 
     def run(self, slots: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
         """ids [B, W], B <= the graph's batch -> logits [B, W, V], a view of the graph's buffer."""

@@ -269,3 +269,29 @@ def test_batch_costs_weigh_every_rows_acceptance():
     assert costs.best_k([(0.05, True, 8)] * 4, 0.1, probe=False) == 0  # drafts nobody keeps
     assert costs.best_k([(0.9, True, 8)] * 4, 0.1, probe=False) >= 3
     assert costs.best_k([(0.9, False, 8)] * 4, 0.1, probe=False) == 8  # prompt lookup drafts for free
+
+
+def test_draft_catch_up_runs_in_chunk_graph_sized_passes(tiny_models, monkeypatch):
+    """Ten rows whose draft must first absorb a 300-token prompt each: the catch-up runs in passes of
+    at most CATCH_UP_ROWS rows and a prefill chunk of tokens (each a prompt-chunk graph on a GPU,
+    not one eager pass), and every row's output is still its output alone."""
+    from decoding import drafters
+
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, f"{i} " + "long prompt " * 100, "draft", 3, max_tokens=6) for i in range(10)]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    passes: list[tuple[int, int]] = []
+    inner = drafters.forward_many
+
+    def spy(runners, rows, wants):
+        if all(w == "none" for w in wants):
+            passes.append((len(rows), sum(int(r.shape[0]) for r in rows)))
+        return inner(runners, rows, wants)
+
+    monkeypatch.setattr(drafters, "forward_many", spy)
+    assert run_batch(engine, reqs) == expected
+    probe = tiny_models["tiny-draft"].runner_factory.__self__.runner()
+    limit = probe.prefill_chunk
+    probe.release()
+    assert len(passes) > 1 and sum(t for _, t in passes) >= 10 * 300
+    assert all(n <= drafters.CATCH_UP_ROWS and t <= limit for n, t in passes)

@@ -1,0 +1,99 @@
+"""Device probe: where speculation auto loses in fast mode at N = 16 (bench.gpu_batch's auto_fast row).
+Runs fast off (the replay's reference), then auto, timing every engine step and printing the slow
+ones with what they held: rows, drafted tokens, the draft's catch-up backlog, graphs captured during
+the step, and dynamo recompiles (logged by torch).
+
+    python -m bench.probe_auto_fast
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from bench.gpu import DRAFT, TARGET, build
+from bench.gpu_batch import MAX_LEN, NEW, PROMPT, corrupt, replay_engine, run_requests
+from decoding.async_engine import AsyncEngine
+from decoding.engine import Engine
+from decoding.graphs import BATCH_BUCKETS, batch_bucket
+from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.static import StaticModel
+
+N = 16
+
+
+def main() -> None:
+    torch._logging.set_logs(recompiles=True)
+    target, draft = build(TARGET, 0), build(DRAFT, 1)
+    tm = StaticModel(target, MAX_LEN, slots=N + 2, graphs=True, compile_step=True)
+    dm = StaticModel(draft, MAX_LEN, slots=N + 2, graphs=True, compile_step=True)
+    tm.warm()
+    dm.warm()
+    buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N))
+    tm.capture(range(1, 2), buckets, chunk_tokens=(256,))
+    tm.capture(range(2, tm.max_graph_tokens + 1), buckets)
+    dm.capture(range(1, dm.max_graph_tokens + 1), buckets)
+    dm.capture(range(0), (), chunk_tokens=(128, 256, 512))
+    fast = replay_engine(target, draft, tm, dm, MAX_LEN, MAX_LEN)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 150000, (N, PROMPT), generator=gen)
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+
+    def reqs(tag: str, spec: SpecParams) -> list[GenerationRequest]:
+        return [GenerationRequest(f"{tag}{i}", "target", prompts[i].tolist(), params, spec) for i in range(N)]
+
+    log: list[tuple[float, int, list[int], int, int]] = []
+    inner = Engine.step_batch
+
+    def timed(self, seqs, budget=None):  # type: ignore[no-untyped-def]
+        g0 = len(tm._graphs) + len(dm._graphs)
+        backlog = max(
+            (len(s.tokens) - s.drafter.runner.length for s in seqs if s.drafter is not None), default=0
+        )
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = inner(self, seqs, budget)
+        torch.cuda.synchronize()
+        drafted = [o.drafted for o in outs if o is not None]
+        log.append(
+            (time.perf_counter() - t, len(seqs), drafted, backlog, len(tm._graphs) + len(dm._graphs) - g0)
+        )
+        return outs
+
+    for rnd in range(2):
+        ae = AsyncEngine(fast, N, N, 256)
+        try:
+            _, _, outs, _ = asyncio.run(run_requests(ae, reqs(f"off{rnd}-", SpecParams(SpecMode.OFF))))
+            ref = [outs[f"off{rnd}-{i}"] for i in range(N)]
+            auto = reqs(f"auto{rnd}-", SpecParams(SpecMode.DRAFT, max_k=8, adaptive=True))
+            for i, r in enumerate(auto):
+                fast.references[r.request_id] = corrupt(ref[i], 0.8, gen)
+            Engine.step_batch = timed  # type: ignore[method-assign]
+            log.clear()
+            t0 = time.perf_counter()
+            asyncio.run(run_requests(ae, auto))
+            wall = time.perf_counter() - t0
+        finally:
+            Engine.step_batch = inner  # type: ignore[method-assign]
+            ae.shutdown()
+        total = sum(x[0] for x in log)
+        print(f"round {rnd}: {len(log)} steps, {total * 1e3:.0f} ms in steps, {wall * 1e3:.0f} ms wall")
+        by_k: dict[int, list[float]] = {}
+        for dt, _, drafted, _, _ in log:
+            by_k.setdefault(max(drafted, default=-1), []).append(dt)
+        for k, ts in sorted(by_k.items()):
+            print(
+                f"   k={k}: {len(ts)} steps, mean {1e3 * sum(ts) / len(ts):.1f} ms, max {1e3 * max(ts):.1f} ms"
+            )
+        for i, (dt, n, drafted, backlog, captured) in enumerate(log):
+            if dt > 0.02:
+                print(
+                    f"   step {i}: {dt * 1e3:.0f} ms, {n} rows, drafted {sorted(set(drafted))}, "
+                    f"draft backlog {backlog}, graphs captured {captured}"
+                )
+
+
+if __name__ == "__main__":
+    main()
