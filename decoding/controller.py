@@ -206,6 +206,9 @@ class BatchCosts:
     # While no k pays, the batch still drafts 2 on a probe turn (every probe_period x backoff steps),
     # so the rows' acceptance estimates and the draft's cost follow the text being generated.
     probe_period: int = 16
+    # While some k pays, one step in this many is plain: the plain cost is what speculation must beat,
+    # and a batch that speculates from its first steps on would otherwise judge by one cold sample
+    remeasure_every: int = 32
     steps: int = 0
     backoff: int = 1  # the period's multiplier: doubles while probes find speculation still not paying
     max_backoff: int = 8
@@ -266,6 +269,8 @@ class BatchCosts:
                 best_k, best_rate = k, rate
         if best_k > 0:
             self.backoff = 1
+            if self.steps and self.steps % self.remeasure_every == 0:
+                return 0
         elif probe:
             self.backoff = min(2 * self.backoff, self.max_backoff)
             return min(2, k_max)

@@ -306,9 +306,13 @@ class Engine:
             return {}
         d_draft, d_target = timer.done()
         wall = max(time.perf_counter() - entry, d_draft + d_target)
+        W = 1 + max(n_drafts)
+        if W == 1 and self._overlaps(decoding[0]):
+            # plain steps queue back to back (_launch_ahead): the host's share is hidden, so what one
+            # costs is its device time, also for a plain step between speculative ones
+            wall = d_draft + d_target
         t_draft = wall * d_draft / (d_draft + d_target) if d_draft + d_target > 0 else 0.0
         t_target = wall - t_draft
-        W = 1 + max(n_drafts)
         self._costs(decoding[0]).observe(len(decoding), len(decoding) * W, W - 1, t_draft, t_target)
         self.total_steps += 1
         passes = W - 1  # draft passes this step ran: rows draft in lockstep up to the longest

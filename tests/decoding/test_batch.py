@@ -295,3 +295,18 @@ def test_draft_catch_up_runs_in_chunk_graph_sized_passes(tiny_models, monkeypatc
     probe.release()
     assert len(passes) > 1 and sum(t for _, t in passes) >= 10 * 300
     assert all(n <= drafters.CATCH_UP_ROWS and t <= limit for n, t in passes)
+
+
+def test_batch_costs_remeasure_the_plain_step_while_speculating():
+    """A batch that speculates from its first steps on still runs a plain step now and then, so the
+    cost speculation must beat is measured again, not judged by one early (cold) sample."""
+    from decoding.controller import BatchCosts
+
+    costs = BatchCosts()
+    costs.observe(4, 4, 0, 0.0, 0.05)  # a cold first plain step: 5x its real cost
+    costs.observe(4, 8, 1, 0.004, 0.011)
+    ks = [costs.best_k([(0.1, True, 4)] * 4, 0.1, probe=costs.probe_turn()) for _ in range(64)]
+    assert ks.count(0) >= 2 and max(ks) > 0
+    for _ in range(3):
+        costs.observe(4, 4, 0, 0.0, 0.01)  # what those plain steps measured
+    assert costs.best_k([(0.1, True, 4)] * 4, 0.1, probe=False) == 0  # at a = 0.1, speculation loses
