@@ -66,7 +66,8 @@ def _invariant(path: Path, E: dict[int, Any]) -> list[str]:
     lines = [
         "",
         f"Batch-invariant exact mode, {R['device']}, {R['date']} (`{R['command']}` with the invariant kernels in exact "
-        "mode, this session; the kernels' own times are `python -m bench.probe_invariant`):",
+        "mode; the kernels' own times are `python -m bench.probe_invariant`). Its cuBLAS column is this run's: where "
+        "the two runs' dates differ the code did too, and the ratio compares across them:",
         "",
         "| N | exact off tok/s, cuBLAS | batch-invariant | ratio | batch-invariant: on, auto tok/s | identical on, auto |",
         "|---|---|---|---|---|---|",
