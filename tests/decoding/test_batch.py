@@ -178,24 +178,33 @@ async def test_abort_mid_batch_and_mid_prefill_leaves_the_others_unchanged(tiny_
     steps_before = engine.total_steps
     ae = AsyncEngine(engine, max_active=8, prefill_budget=16)
     try:
-        results = await asyncio.gather(
-            *(_collect(ae, r) for r in reqs[:3]),
-            _collect(ae, reqs[3], stop_after=2),  # leaves mid-batch
-            _abort_during_prefill(ae, long_prompt),
-        )
-        for r, (tokens, finish) in zip(reqs[:3], results[:3], strict=True):
-            assert tokens == expected[r.request_id] and finish == FinishReason.LENGTH
-        assert results[3][0] == expected[reqs[3].request_id][: len(results[3][0])]
-        for _ in range(100):
-            if ae.active == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert ae.active == 0
-        static = tiny_models["tiny"].runner_factory.__self__  # the target's pool
-        assert static.free_slots == static.slots  # every slot is back
+        pool = tiny_models["tiny"].runner_factory.__self__  # the target's pool
+        await run_with_one_leaving(ae, pool, reqs, expected, 2, _abort_during_prefill(ae, long_prompt))
     finally:
         ae.shutdown()
     assert engine.total_steps > steps_before
+
+
+async def run_with_one_leaving(ae: AsyncEngine, pool, reqs, expected, stop_after: int, *others) -> None:
+    """Every request of ``reqs`` but the last runs to its end and the last leaves (an abort) after
+    ``stop_after`` tokens, beside ``others``: each output is its output alone (the leaver's, up to where
+    it left), then every request ends and every slot of the target's ``pool`` is back."""
+    *full, leaver = reqs
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(_collect(ae, r) for r in full), _collect(ae, leaver, stop_after=stop_after), *others
+        ),
+        120,
+    )
+    for r, (tokens, finish) in zip(full, results, strict=False):
+        assert tokens == expected[r.request_id] and finish == FinishReason.LENGTH
+    left = results[len(full)][0]
+    assert left == expected[leaver.request_id][: len(left)]
+    for _ in range(100):
+        if ae.active == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert ae.active == 0 and pool.free_slots == pool.slots
 
 
 async def _abort_during_prefill(ae: AsyncEngine, r: GenerationRequest):

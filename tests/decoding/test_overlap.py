@@ -6,14 +6,11 @@ seeded request's draws."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
-from decoding.params import FinishReason
-from tests.decoding.test_batch import PROMPTS, _collect, alone, request, run_batch
+from tests.decoding.test_batch import PROMPTS, alone, request, run_batch, run_with_one_leaving
 
 
 def overlapping(models) -> Engine:
@@ -75,18 +72,7 @@ async def test_abort_while_a_step_is_queued_frees_the_slot(tiny_models):
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     ae = AsyncEngine(engine, max_active=8)
     try:
-        results = await asyncio.wait_for(
-            asyncio.gather(*(_collect(ae, r) for r in reqs[:3]), _collect(ae, reqs[3], stop_after=3)), 120
-        )
-        for r, (tokens, finish) in zip(reqs[:3], results[:3], strict=True):
-            assert tokens == expected[r.request_id] and finish == FinishReason.LENGTH
-        assert results[3][0] == expected[reqs[3].request_id][: len(results[3][0])]
-        for _ in range(100):
-            if ae.active == 0:
-                break
-            await asyncio.sleep(0.02)
-        static = tiny_models["tiny"].runner_factory.__self__
-        assert ae.active == 0 and static.free_slots == static.slots
+        await run_with_one_leaving(ae, tiny_models["tiny"].runner_factory.__self__, reqs, expected, 3)
     finally:
         ae.shutdown()
     assert engine.ahead_steps > 0
