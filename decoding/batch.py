@@ -1,12 +1,18 @@
 """The decoding rows of one batched step, described once (after vLLM's ``SpecDecodeMetadata``):
-built by the engine, read by the model runner and the verifier."""
+built by the engine, read by the model runner and the verifier; and what comes back of a step
+(``Verifying``), including a plain step queued before the one it follows was read (``QueuedStep``)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+
+from decoding.runner import as_ids
+from decoding.sequence import Sequence
+from decoding.timing import PendingRead, StepTimer
 
 PAD_DRAFT = -1  # a drafted-token slot past a row's k: equal to no token, so never accepted
 
@@ -40,3 +46,59 @@ class DecodeBatch:
         drafts = pad_sequence(rows, batch_first=True, padding_value=PAD_DRAFT)  # [B, K]
         ids = torch.cat([pend[:, None], drafts.clamp_min(0)], dim=1)  # [B, K+1]
         return cls(ids, drafts, n_drafts)
+
+
+@dataclass
+class Verifying:
+    """A step's verification, queued on the device; its results come back in one read: per row
+    (accepted n, candidates [k+1]). Greedy rows without penalties are verified all at once (``plain``,
+    their n first, then their argmax rows of W), the others row by row (n, then k+1 candidates)."""
+
+    flat: torch.Tensor  # [len(plain) * (1 + W) + sum over others of (2 + k)]
+    read: PendingRead
+    plain: list[int]
+    others: list[int]
+    n_drafts: list[int]  # [B]
+
+    @functools.cached_property
+    def offsets(self) -> list[int]:
+        """Where each row's candidates start in ``flat``."""
+        W = 1 + max(self.n_drafts, default=0)
+        at = {b: len(self.plain) + i * W for i, b in enumerate(self.plain)}
+        o = len(self.plain) * (1 + W)
+        for b in self.others:
+            at[b] = o + 1
+            o += 2 + self.n_drafts[b]
+        return [at[b] for b in range(len(self.n_drafts))]
+
+    def results(self) -> list[tuple[int, list[int]]]:
+        flat = self.read.wait()  # the step's one host sync
+        ns = {b: int(flat[i]) for i, b in enumerate(self.plain)}
+        out = []
+        for b, at in enumerate(self.offsets):
+            n = ns[b] if b in ns else int(flat[at - 1])
+            out.append((n, flat[at : at + self.n_drafts[b] + 1]))
+        return out
+
+    def chosen(self) -> torch.Tensor:
+        """[B] each row's first candidate, on the device: the token a plain step emits."""
+        return self.flat[as_ids(self.offsets, self.flat.device)]
+
+
+@dataclass
+class QueuedStep:
+    """A plain step queued before the step it follows was read back (decoding.engine.Engine._launch_ahead), so the
+    device never waits for the host's bookkeeping: each row feeds the token the step before chose,
+    still on the device. Its rows' caches already hold that token; undone when it is not used."""
+
+    seqs: list[Sequence]
+    verifying: Verifying
+    timer: StepTimer
+    generators: dict[int, torch.Tensor]  # id(seq) -> its generator's state before the step (sampled rows)
+
+    def undo(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if s.runner.length > len(s.tokens) - 1:
+                s.runner.crop(len(s.tokens) - 1)
+            if id(s) in self.generators:
+                s.generator.set_state(self.generators[id(s)])

@@ -10,12 +10,11 @@ the same with k = 0; a request alone is the batch of one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from decoding.batch import DecodeBatch
+from decoding.batch import DecodeBatch, QueuedStep, Verifying
 from decoding.constraints import Constraint, Shaping, logit_bias_tensor
 from decoding.controller import BatchCosts, SpecController
 from decoding.drafters import (
@@ -50,61 +49,6 @@ from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 DRAFT_CONFIDENCE = {"cpu": 0.6}
 
 
-@dataclass
-class _Verifying:
-    """A step's verification, queued on the device; its results come back in one read: per row
-    (accepted n, candidates [k+1]). Greedy rows without penalties are verified all at once (``plain``,
-    their n first, then their argmax rows of W), the others row by row (n, then k+1 candidates)."""
-
-    flat: torch.Tensor  # [len(plain) * (1 + W) + sum over others of (2 + k)]
-    read: PendingRead
-    plain: list[int]
-    others: list[int]
-    n_drafts: list[int]  # [B]
-
-    def offsets(self) -> list[int]:
-        """Where each row's candidates start in ``flat``."""
-        W = 1 + max(self.n_drafts, default=0)
-        at = {b: len(self.plain) + i * W for i, b in enumerate(self.plain)}
-        o = len(self.plain) * (1 + W)
-        for b in self.others:
-            at[b] = o + 1
-            o += 2 + self.n_drafts[b]
-        return [at[b] for b in range(len(self.n_drafts))]
-
-    def results(self) -> list[tuple[int, list[int]]]:
-        flat = self.read.wait()  # the step's one host sync
-        ns = {b: int(flat[i]) for i, b in enumerate(self.plain)}
-        out = []
-        for b, at in enumerate(self.offsets()):
-            n = ns[b] if b in ns else int(flat[at - 1])
-            out.append((n, flat[at : at + self.n_drafts[b] + 1]))
-        return out
-
-    def chosen(self) -> torch.Tensor:
-        """[B] each row's first candidate, on the device: the token a plain step emits."""
-        return self.flat[as_ids(self.offsets(), self.flat.device)]
-
-
-@dataclass
-class _Ahead:
-    """A plain step queued before the step it follows was read back (Engine._launch_ahead), so the
-    device never waits for the host's bookkeeping: each row feeds the token the step before chose,
-    still on the device. Its rows' caches already hold that token; undone when it is not used."""
-
-    seqs: list[Sequence]
-    verifying: _Verifying
-    timer: StepTimer
-    generators: dict[int, torch.Tensor]  # id(seq) -> its generator's state before the step (sampled rows)
-
-    def undo(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            if s.runner.length > len(s.tokens) - 1:
-                s.runner.crop(len(s.tokens) - 1)
-            if id(s) in self.generators:
-                s.generator.set_state(self.generators[id(s)])
-
-
 class Engine:
     def __init__(self, models: dict[str, LoadedModel], ngram_max: int = 3):
         self.models = models
@@ -112,7 +56,7 @@ class Engine:
         self.total_steps = 0  # target forward passes, all requests (observability, tests)
         self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
         self.overlap: bool | None = None  # queue plain steps ahead (None: where the device is CUDA)
-        self._ahead: dict[str, _Ahead] = {}  # per target: the plain step queued by the last call
+        self._ahead: dict[str, QueuedStep] = {}  # per target: the plain step queued by the last call
         self.ahead_steps = 0  # steps queued ahead whose results were used (observability, tests)
         self._planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
 
@@ -353,7 +297,7 @@ class Engine:
         return self._choose_ks(decoding)
 
     def _launch_ahead(
-        self, rows: list[Sequence], verifying: _Verifying, pick: list[int] | None, in_flight: int
+        self, rows: list[Sequence], verifying: Verifying, pick: list[int] | None, in_flight: int
     ) -> None:
         """Queue the next plain step of ``rows`` (``verifying``'s rows, or those at ``pick``) behind
         the ``in_flight`` steps not yet read back. The rows' k for it are chosen now; when any is not
@@ -374,13 +318,13 @@ class Engine:
         timer = StepTimer(rows[0].target.device)
         timer.mark()
         logits = self._forward(rows, batch, [])
-        self._ahead[name] = _Ahead(
+        self._ahead[name] = QueuedStep(
             list(rows), self._verify(rows, [None] * B, batch, logits), timer, generators
         )
         timer.stop()
 
     def _take_ahead(
-        self, ahead: _Ahead, seqs: list[Sequence], entry: float
+        self, ahead: QueuedStep, seqs: list[Sequence], entry: float
     ) -> list[StepOutput | None] | None:
         """This call's step, queued by the last: its rows that are still here emit, the ones that left
         are undone, and rows new since (their prefill comes next step) emit None. None, and all
@@ -522,10 +466,10 @@ class Engine:
         proposals: list[Proposal | None],
         batch: DecodeBatch,
         logits: torch.Tensor,  # [B, W, V]
-    ) -> _Verifying:
+    ) -> Verifying:
         """Verify every decoding row with the pure verifiers: greedy rows without penalties all at
         once, the others (their own sampling parameters, generator, penalties) row by row. Queued on
-        the device; the step's one host sync (``_Verifying.results``) reads every row's result."""
+        the device; the step's one host sync (``Verifying.results``) reads every row's result."""
         plain = [
             b
             for b, s in enumerate(decoding)
@@ -554,7 +498,7 @@ class Engine:
                 n1, cand = verify_sampling(draft_tokens, prop.probs if prop else None, probs, s.generator)
             parts += [n1[None], cand]
         flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=logits.device)
-        return _Verifying(flat, PendingRead(flat), plain, others, list(batch.n_drafts))
+        return Verifying(flat, PendingRead(flat), plain, others, list(batch.n_drafts))
 
     def _commit(
         self,

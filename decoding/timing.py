@@ -28,11 +28,6 @@ class PendingRead:
         return self.host.tolist()
 
 
-def read_back(t: torch.Tensor) -> list[int]:
-    """A step's results on the host, now (PendingRead)."""
-    return PendingRead(t).wait()
-
-
 class StepTimer:
     """Draft and verification time of one step. On CUDA the work is asynchronous, so host clocks
     would time kernel launches: events are recorded in-stream and read after the step's one sync."""

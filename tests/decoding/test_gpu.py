@@ -191,20 +191,25 @@ def test_batched_graphs_give_each_request_its_output_alone(gpu_models, mode, k):
     assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 2, 5, 9, 9], budget=16) == expected
 
 
-@pytest.mark.parametrize("compile_step", [False, True])
-def test_exact_mode_logits_of_a_row_do_not_depend_on_the_batch(compile_step):
-    """Exact mode's matmuls, RMSNorms and attention are batch-invariant: a row's logits have the same
-    bits alone as in batches of 2, 5 and 16 (graph buckets 2, 8, 16: M = 18..144), in another order,
-    and beside a prefill chunk that shares its matmuls."""
-    static = StaticModel(
+def _invariant_model(max_len: int, slots: int, compile_step: bool) -> StaticModel:
+    """A bf16 model in batch-invariant exact mode, under graphs."""
+    return StaticModel(
         _bf16_model(512, 4, 0),
-        256,
-        slots=17,
+        max_len,
+        slots=slots,
         graphs=True,
         compile_step=compile_step,
         exact=True,
         batch_invariant=True,
     )
+
+
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_exact_mode_logits_of_a_row_do_not_depend_on_the_batch(compile_step):
+    """Exact mode's matmuls, RMSNorms and attention are batch-invariant: a row's logits have the same
+    bits alone as in batches of 2, 5 and 16 (graph buckets 2, 8, 16: M = 18..144), in another order,
+    and beside a prefill chunk that shares its matmuls."""
+    static = _invariant_model(256, 17, compile_step)
     assert static.ops is invariant.OPS
     runners = [static.runner() for _ in range(16)]
     for i, r in enumerate(runners):
@@ -238,15 +243,7 @@ def test_exact_mode_gives_each_request_its_output_alone_in_any_batch(compile_ste
     each greedy request's tokens are the same alone as in batches of 2, 5 and 16, whoever joins."""
     from tests.decoding.test_batch import run_batch
 
-    target = StaticModel(
-        _bf16_model(512, 4, 0),
-        512,
-        slots=16,
-        graphs=True,
-        compile_step=compile_step,
-        exact=True,
-        batch_invariant=True,
-    )
+    target = _invariant_model(512, 16, compile_step)
     # the target's own weights as its draft (acceptance is high; rejections fall where bf16 rounds)
     draft = StaticModel(_bf16_model(512, 4, 0), 512, slots=16, graphs=True, compile_step=compile_step)
     engine = _pair(target, draft)
@@ -276,15 +273,7 @@ def test_exact_mode_output_does_not_depend_on_prompt_chunking(compile_step):
     from decoding.engine import LoadedModel
     from tests.decoding.test_batch import run_batch
 
-    target = StaticModel(
-        _bf16_model(512, 4, 0),
-        512,
-        slots=8,
-        graphs=True,
-        compile_step=compile_step,
-        exact=True,
-        batch_invariant=True,
-    )
+    target = _invariant_model(512, 8, compile_step)
     engine = Engine(
         {"t": LoadedModel("t", target.model, None, max_context=512, runner_factory=target.runner)}
     )
