@@ -3,12 +3,13 @@ Runs fast off (the replay's reference), then auto, timing every engine step and 
 ones with what they held: rows, drafted tokens, the draft's catch-up backlog, graphs captured during
 the step, and dynamo recompiles (logged by torch).
 
-    python -m bench.probe_auto_fast
+    python -m bench.probe_auto_fast [N ...]   (default 16)
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import torch
@@ -16,21 +17,26 @@ import torch
 from bench.gpu import DRAFT, TARGET, build
 from bench.gpu_batch import MAX_LEN, NEW, PROMPT, corrupt, replay_engine, run_requests
 from decoding.async_engine import AsyncEngine
+from decoding.controller import BatchCosts
 from decoding.engine import Engine
 from decoding.graphs import BATCH_BUCKETS, batch_bucket
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 from decoding.static import StaticModel
 
-N = 16
-
 
 def main() -> None:
     torch._logging.set_logs(recompiles=True)
+    ns = [int(a) for a in sys.argv[1:]] or [16]
     target, draft = build(TARGET, 0), build(DRAFT, 1)
-    tm = StaticModel(target, MAX_LEN, slots=N + 2, graphs=True, compile_step=True)
-    dm = StaticModel(draft, MAX_LEN, slots=N + 2, graphs=True, compile_step=True)
+    tm = StaticModel(target, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
+    dm = StaticModel(draft, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
     tm.warm()
     dm.warm()
+    for N in ns:
+        probe(N, target, draft, tm, dm)
+
+
+def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel) -> None:  # type: ignore[no-untyped-def]
     buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N))
     tm.capture(range(1, 2), buckets, chunk_tokens=(256,))
     tm.capture(range(2, tm.max_graph_tokens + 1), buckets)
@@ -44,11 +50,23 @@ def main() -> None:
     def reqs(tag: str, spec: SpecParams) -> list[GenerationRequest]:
         return [GenerationRequest(f"{tag}{i}", "target", prompts[i].tolist(), params, spec) for i in range(N)]
 
-    log: list[tuple[float, int, list[int], int, int]] = []
+    log: list[tuple[float, int, list[int], int, list]] = []  # type: ignore[type-arg]
     inner = Engine.step_batch
+    choices: list[str] = []
+    best_k = BatchCosts.best_k
+
+    def logged(self, rows, prior, probe):  # type: ignore[no-untyped-def]
+        k = best_k(self, rows, prior, probe)
+        B = len(rows)
+        t = [self.t_target(B * (j + 1)) for j in range(3)]
+        choices.append(
+            f"k={k} probe={probe} a={[round(a, 2) for a, _, _ in rows]} t_target(B(k+1)), k=0..2: "
+            f"{[round(1e3 * x, 2) if x else None for x in t]} ms, t_draft {self.t_draft(B)}"
+        )
+        return k
 
     def timed(self, seqs, budget=None):  # type: ignore[no-untyped-def]
-        g0 = len(tm._graphs) + len(dm._graphs)
+        g0 = {("t", *k) for k in tm._graphs} | {("d", *k) for k in dm._graphs}
         backlog = max(
             (len(s.tokens) - s.drafter.runner.length for s in seqs if s.drafter is not None), default=0
         )
@@ -58,7 +76,13 @@ def main() -> None:
         torch.cuda.synchronize()
         drafted = [o.drafted for o in outs if o is not None]
         log.append(
-            (time.perf_counter() - t, len(seqs), drafted, backlog, len(tm._graphs) + len(dm._graphs) - g0)
+            (
+                time.perf_counter() - t,
+                len(seqs),
+                drafted,
+                backlog,
+                sorted(({("t", *k) for k in tm._graphs} | {("d", *k) for k in dm._graphs}) - g0),
+            )
         )
         return outs
 
@@ -71,15 +95,22 @@ def main() -> None:
             for i, r in enumerate(auto):
                 fast.references[r.request_id] = corrupt(ref[i], 0.8, gen)
             Engine.step_batch = timed  # type: ignore[method-assign]
+            BatchCosts.best_k = logged  # type: ignore[method-assign]
             log.clear()
+            choices.clear()
             t0 = time.perf_counter()
             asyncio.run(run_requests(ae, auto))
             wall = time.perf_counter() - t0
         finally:
             Engine.step_batch = inner  # type: ignore[method-assign]
+            BatchCosts.best_k = best_k  # type: ignore[method-assign]
             ae.shutdown()
         total = sum(x[0] for x in log)
-        print(f"round {rnd}: {len(log)} steps, {total * 1e3:.0f} ms in steps, {wall * 1e3:.0f} ms wall")
+        print(f"N={N} round {rnd}: {len(log)} steps, {total * 1e3:.0f} ms in steps, {wall * 1e3:.0f} ms wall")
+        for i, c in enumerate(choices):
+            if i < 12 or i % 16 == 0:
+                print(f"   choice {i}: {c}")
+        print("   k by step:", "".join(str(max(d, default=0)) if d else "." for _, _, d, _, _ in log))
         by_k: dict[int, list[float]] = {}
         for dt, _, drafted, _, _ in log:
             by_k.setdefault(max(drafted, default=-1), []).append(dt)

@@ -105,7 +105,8 @@ def render(path: str) -> None:
         "replay drafter (the real draft model runs, batched, for its cost; it proposes the target's own continuation "
         f"corrupted to acceptance {R['acceptance']}), k = {R['k_on']}; auto: the same drafter with adaptive k and the "
         "batch-aware cap. "
-        "Roofline: copy bandwidth / (weights + each row's KV bytes at the mean context) per step.",
+        + ("transformers: the best of 3 timed runs at each N. " if R.get("transformers_runs") else "")
+        + "Roofline: copy bandwidth / (weights + each row's KV bytes at the mean context) per step.",
         "",
         "| N | off tok/s | off decode, % roofline | exact: off tok/s | exact: on | exact: auto | on, auto / off (exact) | fast: auto tok/s, / off | transformers tok/s | off / transformers | ITL p50 / p99 ms (off) | TTFT p50 ms (off) | identical on, auto, auto fast |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -13,8 +13,13 @@ from dataclasses import dataclass, field
 EMA = 0.3  # weight of the newest observation
 
 
+# A sample this many times the estimate counts as this many times it: one stall (a graph captured on
+# first use, a collector pause) must not outweigh the steps around it for the next dozen steps.
+OUTLIER = 2.0
+
+
 def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EMA) * old + EMA * new
+    return new if old is None else (1 - EMA) * old + EMA * min(new, OUTLIER * old)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -167,15 +172,18 @@ class SpecController:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
-    def observe(self, k: int, accepted: int, t_draft: float, t_target: float) -> None:
-        """One step's outcome: k drafted (0 for plain), accepted of them, and the two timings."""
+    def observe(self, k: int, accepted: int, t_draft: float, t_target: float, timed: bool = True) -> None:
+        """One step's outcome: k drafted (0 for plain), accepted of them, and the two timings
+        (``timed`` False: the step did other work too, a prompt chunk, so only acceptance counts)."""
         if k == 0:
-            self.t_plain = _ema(self.t_plain, t_target)
+            if timed:
+                self.t_plain = _ema(self.t_plain, t_target)
             return
-        self.t_draft = _ema(self.t_draft, t_draft / k)
-        self.spec_tokens_w = 0.9 * self.spec_tokens_w + accepted + 1
-        self.spec_seconds_w = 0.9 * self.spec_seconds_w + t_draft + t_target
-        self.t_verify[k] = _ema(self.t_verify.get(k), t_target)
+        if timed:
+            self.t_draft = _ema(self.t_draft, t_draft / k)
+            self.spec_tokens_w = 0.9 * self.spec_tokens_w + accepted + 1
+            self.spec_seconds_w = 0.9 * self.spec_seconds_w + t_draft + t_target
+            self.t_verify[k] = _ema(self.t_verify.get(k), t_target)
         # decay old evidence so acceptance tracks the text being generated now
         self.accepted_w = 0.9 * self.accepted_w + accepted
         self.rejected_w = 0.9 * self.rejected_w + (1 if accepted < k else 0)
@@ -201,7 +209,11 @@ class BatchCosts:
     by batch size; 0 turns speculation off for the step.
     """
 
-    target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per target pass
+    # Plain steps and verification steps are kept apart: on a GPU plain steps queue back to back and
+    # cost their device time, verification steps their wall time, so a bucket both fill (4 plain
+    # rows, 2 rows of k = 1) would swing between the two.
+    plain: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per plain step
+    target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per verification
     draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
     # While no k pays, the batch still drafts 2 on a probe turn (every probe_period x backoff steps),
     # so the rows' acceptance estimates and the draft's cost follow the text being generated.
@@ -219,28 +231,29 @@ class BatchCosts:
         return self.steps % (self.probe_period * self.backoff) == 0
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
+        """One decode step of ``batch`` rows and ``rows`` target rows in all (a step that prefilled
+        too is no sample of either and is not observed)."""
+        if k == 0:
+            b = _pow2_bucket(batch)
+            self.plain[b] = _ema(self.plain.get(b), t_target)
+            return
         b = _pow2_bucket(rows)
         self.target[b] = _ema(self.target.get(b), t_target)
-        if k > 0 and t_draft > 0:
+        if t_draft > 0:
             d = _pow2_bucket(batch)
             self.draft[d] = _ema(self.draft.get(d), t_draft / k)
 
+    def t_plain(self, batch: int) -> float | None:
+        return _lookup(self.plain, batch) or _lookup(self.target, batch)
+
     def t_target(self, rows: int) -> float | None:
-        """Measured, interpolated between measured buckets, or past the largest measured one taken
-        as flat: optimistic, so an unmeasured shape is tried once and then known."""
-        if not self.target:
-            return None
-        b = _pow2_bucket(rows)
-        if b in self.target:
-            return self.target[b]
-        known = sorted(self.target)
-        lower = [x for x in known if x < b]
-        upper = [x for x in known if x > b]
-        if lower and upper:
-            lo, hi = lower[-1], upper[0]
-            f = (b - lo) / (hi - lo)
-            return self.target[lo] + f * (self.target[hi] - self.target[lo])
-        return self.target[lower[-1]] if lower else self.target[upper[0]]
+        """A verification step of ``rows`` target rows: measured, else as a plain step of as many rows
+        costs (optimistic, so an unmeasured shape is tried once and then known), and never less
+        than a measured plain step of as many rows."""
+        verify, plain = _lookup(self.target, rows), self.plain.get(_pow2_bucket(rows))
+        if verify is None:
+            return _lookup(self.plain, rows)
+        return verify if plain is None else max(verify, plain)
 
     def t_draft(self, batch: int) -> float | None:
         if not self.draft:
@@ -254,7 +267,7 @@ class BatchCosts:
         no k pays, 0, except on a probe turn, which drafts 2 to refresh the estimates."""
         B = len(rows)
         k_max = max((k for _, _, k in rows), default=0)
-        t_plain = self.t_target(B)
+        t_plain = self.t_plain(B)
         if k_max == 0 or t_plain is None:
             return 0
         model = any(m for _, m, _ in rows)
@@ -275,3 +288,19 @@ class BatchCosts:
             self.backoff = min(2 * self.backoff, self.max_backoff)
             return min(2, k_max)
         return best_k
+
+
+def _lookup(table: dict[int, float], n: int) -> float | None:
+    """The cost at ``n``'s bucket: measured, interpolated between measured buckets, or past the
+    largest (smallest) measured one taken as flat; None with nothing measured."""
+    if not table:
+        return None
+    b = _pow2_bucket(n)
+    if b in table:
+        return table[b]
+    lower = [x for x in sorted(table) if x < b]
+    upper = [x for x in sorted(table) if x > b]
+    if lower and upper:
+        lo, hi = lower[-1], upper[0]
+        return table[lo] + (b - lo) / (hi - lo) * (table[hi] - table[lo])
+    return table[lower[-1]] if lower else table[upper[0]]

@@ -10,6 +10,7 @@ the same with k = 0; a request alone is the batch of one.
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -47,6 +48,8 @@ from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 # (docs/benchmarks.md). On a GPU reading it is a host sync per drafted token, a launch gap in the
 # draft's queue; that trade was not measured here, so GPUs keep drafting the chosen k.
 DRAFT_CONFIDENCE = {"cpu": 0.6}
+
+Timing = Literal["wall", "device", "none"]  # what a step's cost sample is (Engine._commit_step)
 
 
 class Engine:
@@ -200,7 +203,7 @@ class Engine:
             (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
             for s, k, f in zip(decoding, ks, forced, strict=True)
         ]
-        catch_up_many(items)  # a backlog is a one-off cost: kept out of the draft's per-token cost
+        caught_up = catch_up_many(items)  # a one-off cost: kept out of the draft's per-token cost
         timer = StepTimer(seqs[0].target.device)
         start = time.perf_counter()
         proposals = propose_many(items)
@@ -221,7 +224,10 @@ class Engine:
         if len(decoding) == len(seqs) and max(batch.n_drafts, default=1) == 0:
             self._launch_ahead(decoding, verifying, None, in_flight=1)
         results = verifying.results()  # the step's one host sync
-        outs = self._commit_step(decoding, results, batch.n_drafts, logits, timer, start)
+        # a step that also prefilled is no sample of a decode step's cost; one whose draft caught up
+        # a backlog is timed by the device alone (its wall time holds the catch-up)
+        timing = "none" if any(n for _, n in chunks) else "device" if caught_up else "wall"
+        outs = self._commit_step(decoding, results, batch.n_drafts, logits, timer, start, timing)
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
@@ -242,22 +248,26 @@ class Engine:
         logits: torch.Tensor | None,
         timer: StepTimer,
         entry: float,
+        timing: Timing = "wall",
     ) -> dict[int, StepOutput | None]:
         """Every decoding row's outcome, and the step's costs for the controllers. The costs are the
         step's wall time (host work included: it is what throughput pays), split between draft and
-        target as the device's events split them."""
+        target as the device's events split them; ``timing`` "device": its device time alone,
+        "none": not a sample (acceptance still counts)."""
         if not decoding:
             return {}
         d_draft, d_target = timer.done()
         wall = max(time.perf_counter() - entry, d_draft + d_target)
         W = 1 + max(n_drafts)
-        if W == 1 and self._overlaps(decoding[0]):
+        if timing == "device" or (W == 1 and self._overlaps(decoding[0])):
             # plain steps queue back to back (_launch_ahead): the host's share is hidden, so what one
             # costs is its device time, also for a plain step between speculative ones
             wall = d_draft + d_target
         t_draft = wall * d_draft / (d_draft + d_target) if d_draft + d_target > 0 else 0.0
         t_target = wall - t_draft
-        self._costs(decoding[0]).observe(len(decoding), len(decoding) * W, W - 1, t_draft, t_target)
+        timed = timing != "none"
+        if timed:
+            self._costs(decoding[0]).observe(len(decoding), len(decoding) * W, W - 1, t_draft, t_target)
         self.total_steps += 1
         passes = W - 1  # draft passes this step ran: rows draft in lockstep up to the longest
         outs: dict[int, StepOutput | None] = {}
@@ -266,7 +276,7 @@ class Engine:
             # a row's draft time is its kk passes' share: the others' longer proposals are not its cost
             share = t_draft * kk / passes if passes else 0.0
             rows = logits[b, : kk + 1] if logits is not None else None
-            outs[id(s)] = self._commit(s, kk, n, cand, rows, share, t_target)
+            outs[id(s)] = self._commit(s, kk, n, cand, rows, share, t_target, timed)
         return outs
 
     def _overlaps(self, seq: Sequence) -> bool:
@@ -509,6 +519,7 @@ class Engine:
         logits: torch.Tensor | None,  # [kk+1, V] the row's logits (needed for logprobs alone)
         t_draft: float,
         t_target: float,
+        timed: bool = True,
     ) -> StepOutput:
         req, params = seq.request, seq.request.params
         n_before = len(seq.tokens)
@@ -517,7 +528,7 @@ class Engine:
             seq.runner.crop(n_before + n)
         if seq.drafter is not None:
             seq.drafter.rollback(n_before + n)
-        seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target)
+        seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target, timed)
         self._record(seq.stats, kk, n, t_draft + t_target)
         if kk == 0 and seq.controller.switched_off:
             seq.stats.spec_disabled_steps += 1

@@ -259,7 +259,7 @@ def test_batch_costs_choose_no_speculation_where_the_batch_is_compute_bound():
     costs = BatchCosts()
     # memory-bound up to 16 rows, then each row costs as much as the whole step did
     for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-        costs.observe(1, rows, 0, 0.0, 0.01 * max(1.0, rows / 16))
+        costs.observe(rows, rows, 0, 0.0, 0.01 * max(1.0, rows / 16))
     costs.observe(2, 2, 1, 0.002, 0.01)
     small = costs.best_k([(0.8, True, 6)] * 2, 0.1, probe=False)
     large = costs.best_k([(0.8, True, 6)] * 64, 0.1, probe=False)
@@ -273,11 +273,57 @@ def test_batch_costs_weigh_every_rows_acceptance():
 
     costs = BatchCosts()
     for rows in (4, 8, 16, 32):
-        costs.observe(4, rows, 0, 0.0, 0.01)
+        costs.observe(rows, rows, 0, 0.0, 0.01)
     costs.observe(4, 4, 1, 0.003, 0.01)
     assert costs.best_k([(0.05, True, 8)] * 4, 0.1, probe=False) == 0  # drafts nobody keeps
     assert costs.best_k([(0.9, True, 8)] * 4, 0.1, probe=False) >= 3
     assert costs.best_k([(0.9, False, 8)] * 4, 0.1, probe=False) == 8  # prompt lookup drafts for free
+
+
+def test_batch_costs_keep_plain_steps_apart_from_verification_and_stalls():
+    """A stalled verification step of 2 rows at k = 1 (4 target rows, as a plain step of 4 has) and
+    one stalled plain step leave the plain cost where the plain steps put it, near enough that
+    drafts nobody keeps are not drafted."""
+    from decoding.controller import BatchCosts
+
+    costs = BatchCosts()
+    for _ in range(4):
+        costs.observe(4, 4, 0, 0.0, 0.005)
+    costs.observe(2, 4, 1, 0.003, 0.09)  # a graph captured mid-step
+    costs.observe(4, 12, 2, 0.003, 0.006)
+    assert costs.t_plain(4) == pytest.approx(0.005)
+    costs.observe(4, 4, 0, 0.0, 0.5)  # a collector pause
+    assert costs.t_plain(4) <= 0.005 * 1.31
+    assert costs.best_k([(0.02, True, 8)] * 4, 0.1, probe=False) == 0
+
+
+def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
+    """A request joining a decoding batch prefills in the same step as the others decode: that step's
+    time is not what a decode step costs, so neither the batch's costs nor a row's controller take
+    it as a sample (acceptance still counts)."""
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, f"{i} a prompt of some words", "draft", 3, max_tokens=12) for i in range(3)]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    join_at = [0, 3, 6]
+    had_chunks: list[bool] = []
+    timings: list[str] = []
+    chunks_of, commit = Engine._prefill_chunks, Engine._commit_step
+
+    def spy_chunks(prefilling, budget):  # type: ignore[no-untyped-def]
+        out = chunks_of(prefilling, budget)
+        had_chunks.append(any(n for _, n in out))
+        return out
+
+    def spy_commit(self, decoding, results, n_drafts, logits, timer, entry, timing="wall"):  # type: ignore[no-untyped-def]
+        timings.append(timing)
+        return commit(self, decoding, results, n_drafts, logits, timer, entry, timing)
+
+    monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
+    monkeypatch.setattr(Engine, "_commit_step", spy_commit)
+    assert run_batch(engine, reqs, join_at, budget=4) == expected
+    assert len(had_chunks) == len(timings) and any(had_chunks) and not all(had_chunks)
+    assert all(t == "none" for t, c in zip(timings, had_chunks, strict=True) if c)
+    assert all(t != "none" for t, c in zip(timings, had_chunks, strict=True) if not c)
 
 
 def test_draft_catch_up_runs_in_chunk_graph_sized_passes(tiny_models, monkeypatch):
