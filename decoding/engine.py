@@ -436,9 +436,9 @@ class Engine:
         return self.costs.setdefault(seq.target.name, BatchCosts())
 
     def _choose_ks(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
-        """Each row's k, never past max_tokens (``pending``: tokens of steps not yet read back). Alone: its own controller's choice. In a batch: one k
-        for every adaptive row, the one that pays for the batch as a whole (BatchCosts.best_k);
-        rows with a fixed k keep it."""
+        """Each row's k, never past max_tokens (``pending``: tokens of steps not yet read back).
+        Alone: its own controller's choice. In a batch: one k for every adaptive row, the one that
+        pays for the batch as a whole (BatchCosts.best_k); rows with a fixed k keep it."""
         if not decoding:
             return []
         batched = len(decoding) >= 2
@@ -446,6 +446,14 @@ class Engine:
             batched and s.drafter is not None and s.controller.speculate and s.controller.adaptive
             for s in decoding
         ]
+        # a row's first token does not wait for its draft model to take in the prompt: the step that
+        # gives it is plain for that row (as the first step of a request alone is), and its draft
+        # catches up when it first drafts
+        first = [
+            on and isinstance(s.drafter, DraftModelDrafter) and s.completion_tokens + pending == 0
+            for s, on in zip(decoding, shared, strict=True)
+        ]
+        shared = [on and not f for on, f in zip(shared, first, strict=True)]
         k_shared = 0
         if any(shared):
             costs = self._costs(decoding[0])
@@ -459,8 +467,8 @@ class Engine:
                 probe=costs.probe_turn(),
             )
         ks = []
-        for s, on in zip(decoding, shared, strict=True):
-            if s.drafter is None:
+        for s, on, f in zip(decoding, shared, first, strict=True):
+            if s.drafter is None or f:
                 k = 0
             elif on:
                 k = min(k_shared, s.controller.k_max)

@@ -326,6 +326,39 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
     assert all(t != "none" for t, c in zip(timings, had_chunks, strict=True) if not c)
 
 
+def test_a_rows_first_token_never_waits_for_its_draft(tiny_models, monkeypatch):
+    """In a batch that speculates, a row joining it drafts nothing in the step that gives its first
+    token (its draft model takes in the prompt when the row first drafts), as a request alone does;
+    the rows already decoding keep drafting in that step, and every output is still its own alone."""
+    from decoding.controller import BatchCosts
+
+    monkeypatch.setattr(BatchCosts, "best_k", lambda self, rows, prior, probe: 3)
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, f"{i} some prompt words", "draft", 4, adaptive=True) for i in range(2)]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    seqs = [engine.start(reqs[0])]
+    steps: list[dict[str, int]] = []  # per step: request -> tokens it drafted
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    while seqs:
+        if len(steps) == 3:
+            seqs.append(engine.start(reqs[1]))
+        steps.append({})
+        for o in engine.step_batch(seqs):
+            if o is not None:
+                steps[-1][o.request_id] = o.drafted
+                out[o.request_id].extend(o.token_ids)
+        for s in [s for s in seqs if s.finished is not None]:
+            seqs.remove(s)
+            s.release()
+    assert out == expected
+    a, b = (r.request_id for r in reqs)
+    first_a = next(st for st in steps if a in st)
+    first_b = next(i for i, st in enumerate(steps) if b in st)
+    assert first_a[a] == 0 and steps[first_b][b] == 0  # the first token of each
+    assert steps[first_b][a] > 0  # the other row kept drafting in that step
+    assert any(st.get(b, 0) > 0 for st in steps[first_b + 1 :])
+
+
 def test_draft_catch_up_runs_in_chunk_graph_sized_passes(tiny_models, monkeypatch):
     """Ten rows whose draft must first absorb a 300-token prompt each: the catch-up runs in passes of
     at most CATCH_UP_ROWS rows and a prefill chunk of tokens (each a prompt-chunk graph on a GPU,
