@@ -226,7 +226,7 @@ class Engine:
         results = verifying.results()  # the step's one host sync
         # a step that also prefilled is no sample of a decode step's cost; one whose draft caught up
         # a backlog is timed by the device alone (its wall time holds the catch-up)
-        timing = "none" if any(n for _, n in chunks) else "device" if caught_up else "wall"
+        timing: Timing = "none" if any(n for _, n in chunks) else "device" if caught_up else "wall"
         outs = self._commit_step(decoding, results, batch.n_drafts, logits, timer, start, timing)
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
