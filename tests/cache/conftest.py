@@ -12,7 +12,7 @@ import pytest
 
 from decoding.embedder import SentenceEmbedder
 from gateway.cache import CacheSettings, ResponseCache
-from tests.servers import RedisProcess
+from tests.servers import UNHURRIED_REDIS, RedisProcess
 
 
 @pytest.fixture
@@ -50,7 +50,11 @@ async def make_cache(
 
     def make(**overrides: object) -> ResponseCache:
         url = request.getfixturevalue("redis_server").url if backend_kind == "redis" else None
-        settings = CacheSettings(redis_url=url, key_prefix=f"t-{uuid.uuid4().hex[:8]}", **overrides)  # type: ignore[arg-type]
+        settings = CacheSettings(
+            redis_url=url,
+            key_prefix=f"t-{uuid.uuid4().hex[:8]}",
+            **(UNHURRIED_REDIS | overrides),  # type: ignore[arg-type]
+        )
         cache = ResponseCache(settings, embedder=embedder)
         caches.append(cache)
         return cache

@@ -22,7 +22,7 @@ from gateway.observability import Metrics, Observability
 from gateway.settings import load_settings
 from tests.cache.test_cache import chat, get, put
 from tests.gateway.fakes import ScriptedEngine, token_ids
-from tests.servers import RedisProcess
+from tests.servers import UNHURRIED_REDIS, RedisProcess
 
 SHARED_REDIS = "redis://127.0.0.1:6379/0"
 PROMPT = "How do I reverse a list in Python?"
@@ -86,7 +86,7 @@ async def shared_redis_prefix() -> AsyncIterator[str]:
 
 async def test_a_miss_then_an_exact_hit(gateway: Callable[..., Any], shared_redis_prefix: str) -> None:
     obs, exporter = observed()
-    app = gateway(obs, redis_url=SHARED_REDIS, key_prefix=shared_redis_prefix)
+    app = gateway(obs, redis_url=SHARED_REDIS, key_prefix=shared_redis_prefix, **UNHURRIED_REDIS)
     parent = {"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"}
     first = await ask(app, headers=parent)
     second = await ask(app)

@@ -11,16 +11,17 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import Server, start_server, stop_server
-from tests.servers import RedisProcess
+from tests.servers import UNHURRIED_REDIS, RedisProcess
 
 
 @pytest.fixture
 def two_gateways(own_redis: RedisProcess, tmp_path: Path) -> Iterator[tuple[Server, Server]]:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    a = start_server(tmp_path / "a", {"cache": {"redis_url": own_redis.url}})
+    a = start_server(tmp_path / "a", {"cache": {"redis_url": own_redis.url, **UNHURRIED_REDIS}})
     try:
-        b = start_server(tmp_path / "b", {}, env={"SPECGATE_REDIS_URL": own_redis.url})
+        unhurried = {f"SPECGATE_CACHE__{k.upper()}": str(v) for k, v in UNHURRIED_REDIS.items()}
+        b = start_server(tmp_path / "b", {}, env={"SPECGATE_REDIS_URL": own_redis.url, **unhurried})
     except Exception:
         stop_server(a)
         raise

@@ -14,7 +14,7 @@ import redis
 from gateway.app import create_app
 from gateway.settings import SettingsError, load_settings
 from tests.gateway.fakes import ScriptedEngine, token_ids
-from tests.servers import RedisProcess, free_port
+from tests.servers import UNHURRIED_REDIS, RedisProcess, free_port
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -26,7 +26,10 @@ def redis_url(redis_server: RedisProcess) -> str:
 
 def gateway(url: str, prefix: str, **limits: Any) -> Any:
     s = load_settings(
-        overrides={"limits": limits, "cache": {"enabled": False, "redis_url": url, "key_prefix": prefix}},
+        overrides={
+            "limits": limits,
+            "cache": {"enabled": False, "redis_url": url, "key_prefix": prefix, **UNHURRIED_REDIS},
+        },
         env={},
     )
     return create_app(s, engine=ScriptedEngine([token_ids("a" * 40)]))  # type: ignore[arg-type]
