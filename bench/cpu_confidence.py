@@ -23,7 +23,8 @@ from typing import Any
 
 from bench.cpu_engine import encode_prompts, load_pair, step_costs
 from bench.report import stamp, write_section
-from decoding.engine import DRAFT_CONFIDENCE, Engine
+from decoding.admission import DRAFT_CONFIDENCE
+from decoding.engine import Engine
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
 RESULTS = Path(__file__).with_name("results_cpu_confidence.json")
@@ -125,7 +126,7 @@ def render(results: dict[str, dict[str, Any]], thresholds: list[float], k: int, 
         "",
         "Modeled speedup, median / worst prompt: "
         + ", ".join(f"{names[t]}: {med[t]:.2f}x / {worst[t]:.2f}x" for t in cols)
-        + f". The engine's CPU default is {DRAFT_CONFIDENCE['cpu']} (decoding.engine.DRAFT_CONFIDENCE); "
+        + f". The engine's CPU default is {DRAFT_CONFIDENCE['cpu']} (decoding.admission.DRAFT_CONFIDENCE); "
         "GPUs keep it off, unmeasured (reading the probability is a host sync per drafted token there).",
         "",
         "**differs**: the output left target-only's. Threshold 0 is the engine without the stop, so a difference "

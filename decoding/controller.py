@@ -298,8 +298,9 @@ def _lookup(table: dict[int, float], n: int) -> float | None:
     b = _pow2_bucket(n)
     if b in table:
         return table[b]
-    lower = [x for x in sorted(table) if x < b]
-    upper = [x for x in sorted(table) if x > b]
+    known = sorted(table)
+    lower = [x for x in known if x < b]
+    upper = [x for x in known if x > b]
     if lower and upper:
         lo, hi = lower[-1], upper[0]
         return table[lo] + (b - lo) / (hi - lo) * (table[hi] - table[lo])

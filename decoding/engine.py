@@ -15,25 +15,21 @@ from typing import Literal
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from decoding import admission
 from decoding.batch import DecodeBatch, QueuedStep, Verifying
-from decoding.constraints import Constraint, Shaping, logit_bias_tensor
-from decoding.controller import BatchCosts, SpecController
+from decoding.controller import BatchCosts
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
-    PredictionDrafter,
-    PromptLookupDrafter,
     Proposal,
     ProposeItem,
     catch_up_many,
     propose_many,
 )
-from decoding.errors import InvalidParameter, PromptTooLong, UnknownModel
 from decoding.params import (
     FinishReason,
     GenerationRequest,
     RequestStats,
-    SpecMode,
     StepOutput,
     TokenLogprob,
 )
@@ -42,12 +38,6 @@ from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
 from decoding.sequence import LoadedModel, Sequence
 from decoding.timing import PendingRead, StepTimer
 from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
-
-# SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
-# the probability is read for free (every op is synchronous) and measured on the real pair it pays
-# (docs/benchmarks.md). On a GPU reading it is a host sync per drafted token, a launch gap in the
-# draft's queue; that trade was not measured here, so GPUs keep drafting the chosen k.
-DRAFT_CONFIDENCE = {"cpu": 0.6}
 
 Timing = Literal["wall", "device", "none"]  # what a step's cost sample is (Engine._commit_step)
 
@@ -64,112 +54,27 @@ class Engine:
         self._planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
 
     def model(self, name: str) -> LoadedModel:
-        if name not in self.models:
-            raise UnknownModel(name, sorted(self.models))
-        return self.models[name]
+        return admission.model_of(self.models, name)
 
     def check(self, request: GenerationRequest) -> LoadedModel:
-        """Everything that can refuse a request before any model work."""
-        target = self.model(request.model)
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n + request.params.max_tokens > target.max_context:
-            raise PromptTooLong(n, request.params.max_tokens, target.max_context)
-        # [shaping] a bad logit_bias token or a grammar that does not compile: a 400 naming it
-        bad = [t for t, _ in request.logit_bias if not 0 <= t < target.vocab_size]
-        if bad:
-            raise InvalidParameter(
-                f"logit_bias names token ids outside the vocabulary: {bad[:5]}", "logit_bias"
-            )
-        if request.grammar is not None:
-            self._shaping(target, request)
-        return target
-
-    @staticmethod
-    def _shaping(target: LoadedModel, request: GenerationRequest) -> Shaping | None:
-        """[shaping] The request's bias and grammar state, or None when it has neither."""
-        if not request.logit_bias and request.grammar is None:
-            return None
-        bias = logit_bias_tensor(request.logit_bias, target.vocab_size, target.device)
-        constraint = None
-        if request.grammar is not None:
-            constraint = Constraint(
-                request.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids
-            )
-        return Shaping(bias, constraint)
+        """Everything that can refuse a request before any model work (decoding.admission)."""
+        return admission.check(self.models, request)
 
     def start(self, request: GenerationRequest) -> Sequence:
         """A checked request's sequence (``check`` runs where a request enters: ``AsyncEngine.submit``,
         ``generate``)."""
         target = self.model(request.model)
-        device = target.device
-        generator = torch.Generator(device=device)
-        if request.params.seed is not None:
-            generator.manual_seed(request.params.seed)
-        else:
-            generator.seed()
         runner = target.runner_factory(target.model)  # NoFreeSlot: the caller queues the request
         try:
             drafter = self._drafter(target, request)
         except BaseException:
             runner.release()
             raise
-        # A seeded sampled request must repeat: adaptive k and the goodput check follow measured
-        # timings, and a different k consumes the generator differently. Such requests draft a
-        # fixed k (greedy output does not depend on k at all, so it keeps adapting).
-        seeded_sampling = request.params.seed is not None and not request.params.greedy
-        # exact mode caps a step at the runner's padded width (see docs/architecture.md, Exact mode)
-        step_limit = runner.max_step_tokens
-        controller = SpecController(
-            k_max=min(request.spec.max_k, step_limit - 1) if step_limit else request.spec.max_k,
-            adaptive=request.spec.adaptive and not seeded_sampling,
-            speculate=drafter is not None,
-            draft_cost_prior=self._draft_cost_prior(target, drafter),
-            drafter_stops=isinstance(drafter, DraftModelDrafter) and drafter.min_confidence > 0,
-        )
-        seq = Sequence(
-            request=request,
-            target=target,
-            runner=runner,
-            drafter=drafter,
-            controller=controller,
-            generator=generator,
-            counts=torch.zeros(target.vocab_size, dtype=torch.long, device=device),
-            tokens=list(request.prompt_token_ids),
-        )
-        seq.stats.prompt_tokens = len(request.prompt_token_ids)
-        seq.stats.drafter = drafter.name if drafter else "none"
-        seq.shaping = self._shaping(target, request)  # [shaping]
-        if seq.shaping is not None and isinstance(drafter, DraftModelDrafter):
-            drafter.shape = seq.shaping.draft  # [shaping] the draft's logits get the bias and mask too
-        return seq
-
-    def _draft_cost_prior(self, target: LoadedModel, drafter: Drafter | None) -> float:
-        """Memory-bound decoding reads every weight once a step, so a draft step costs about its
-        share of the target's parameters (a floor: small models also pay per-kernel overheads)."""
-        if not isinstance(drafter, DraftModelDrafter) or target.draft is None:
-            return 0.0
-        return self.model(target.draft).n_params / target.n_params
+        return admission.new_sequence(self.models, target, request, runner, drafter)
 
     def _drafter(self, target: LoadedModel, request: GenerationRequest) -> Drafter | None:
-        mode = request.spec.mode
-        if mode == SpecMode.OFF:
-            return None
-        if request.prediction is not None:  # Predicted Outputs: the client's text drafts
-            return PredictionDrafter(target.device, request.prediction, len(request.prompt_token_ids))
-        if mode == SpecMode.AUTO:
-            mode = SpecMode.DRAFT if target.draft else SpecMode.NGRAM
-        if mode == SpecMode.NGRAM:
-            return PromptLookupDrafter(target.device, max_ngram=self.ngram_max)
-        if target.draft is None:
-            return PromptLookupDrafter(target.device, max_ngram=self.ngram_max)
-        draft = self.model(target.draft)
-        factory = draft.draft_runner_factory or draft.runner_factory
-        confidence = request.spec.draft_confidence
-        if confidence is None:  # a fixed k (adaptive off) stays fixed unless the request says otherwise
-            confidence = DRAFT_CONFIDENCE.get(draft.device.type, 0.0) if request.spec.adaptive else 0.0
-        return DraftModelDrafter(factory(draft.model), draft.device, confidence)
+        """The request's drafter (a method, so that benchmarks can wrap it)."""
+        return admission.drafter_for(self.models, target, request, self.ngram_max)
 
     def step(self, seq: Sequence) -> StepOutput:
         """One step of one sequence (its whole prompt first, if not yet prefilled)."""

@@ -63,7 +63,7 @@ class SpecParams:
     max_k: int = 8  # upper bound for the adaptive k
     adaptive: bool = True  # False: always propose max_k tokens (benchmarks, tests)
     # a draft model stops drafting after a token it gave less than this probability (0: never);
-    # None: the engine's default for the draft's device (decoding.engine.DRAFT_CONFIDENCE), or 0
+    # None: the engine's default for the draft's device (decoding.admission.DRAFT_CONFIDENCE), or 0
     # when adaptive is off
     draft_confidence: float | None = None
 

@@ -66,7 +66,7 @@ class SpeculativeOptions(BaseModel):
     # and tests that must see speculation on hardware where it does not pay)
     adaptive: bool | None = None
     # stop drafting after a token the draft model gave less than this probability (0: never; unset:
-    # the engine's default for the draft's device, decoding.engine.DRAFT_CONFIDENCE)
+    # the engine's default for the draft's device, decoding.admission.DRAFT_CONFIDENCE)
     draft_confidence: float | None = Field(default=None, ge=0, lt=1)
 
 

@@ -211,7 +211,7 @@ def test_draft_confidence_stops_drafting_without_changing_output(tiny_models, pa
 
 
 def test_draft_confidence_default_follows_device_and_adaptive(tiny_models):
-    from decoding.engine import DRAFT_CONFIDENCE
+    from decoding.admission import DRAFT_CONFIDENCE
 
     engine = Engine(tiny_models)
     ids = encode(tiny_models, PROMPTS[0])
