@@ -166,7 +166,8 @@ class LocalBackend:
     ) -> None:
         detok = IncrementalDetokenizer(tok, req.prompt_token_ids)
         matcher = StopMatcher(list(job.stops))
-        calls = ToolCallParser() if job.calls_tools else None  # <tool_call> text -> tool_calls deltas
+        names = [t["function"]["name"] for t in job.tools or []]  # tool-call text -> tool_calls deltas
+        calls = ToolCallParser(names, job.parallel_tool_calls is not False) if job.calls_tools else None
         seen = RequestStats(prompt_tokens=len(req.prompt_token_ids))
         try:
             step = await steps.__anext__()

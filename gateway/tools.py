@@ -2,6 +2,11 @@
 request's ``response_format`` / ``tool_choice`` asks for, and the parser that turns a model's
 ``<tool_call>`` text (Qwen2.5's, the Hermes format) into OpenAI ``tool_calls`` deltas.
 
+Free text (``tool_choice`` "auto") also counts as calls when it opens with plain JSON calls of
+declared tools, bare or in a ``` fence: small models (Qwen2.5-Coder-1.5B) often answer so instead of
+with the tags. Anything else is content, byte for byte: text is held only while it may still become
+such a call's head and goes out as soon as it cannot.
+
 The parser streams: a call's first delta carries its index, id and name once the name is complete;
 the ``arguments`` value then streams as fragments of the model's own text, so the fragments of one
 call concatenate to exactly the non-streamed ``arguments`` however the text is cut into chunks (one
@@ -16,7 +21,8 @@ import contextlib
 import json
 import re
 import uuid
-from typing import Any
+from collections.abc import Collection
+from typing import Any, NamedTuple
 
 from decoding.params import JSON_LAYOUT, GrammarSpec
 from gateway.backends import ToolCallDelta
@@ -25,6 +31,20 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # `{"name": "<name>", "arguments": ` : the head of a call, name first (as the template and the
 # grammar write it)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+MORE, NO = -1, -2  # text so far that may still become a plain-JSON call's head / that cannot
+# the longest plain-JSON head held back (after the output's leading whitespace; a pretty-printed one
+# with a 64-character name is under 200): past it, content. It bounds the rescans of a held head.
+HEAD_MAX = 512
+_WS = " \t\r\n"  # JSON's whitespace
+
+
+class BareHead(NamedTuple):
+    """A plain-JSON call's complete head: its arguments start at ``at`` (their ``{``)."""
+
+    at: int
+    name: str
+    fence: bool  # a ``` fence opened before the call
+    listed: bool  # a [ list opened before the call
 
 
 def _held(text: str, tag: str) -> int:
@@ -35,14 +55,95 @@ def _held(text: str, tag: str) -> int:
     return 0
 
 
-class ToolCallParser:
-    """Feed output text in any cuts; get back (content text, call deltas) for each piece."""
+def _ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
 
-    def __init__(self) -> None:
-        self.state = "content"  # content | head | args | tail
+
+def _lit(text: str, i: int, *lits: str) -> int:
+    """The index past whichever of ``lits`` stands at ``text[i:]``; MORE if text ends inside one."""
+    for lit in lits:
+        if text.startswith(lit, i):
+            return i + len(lit)
+    return MORE if any(lit.startswith(text[i:]) for lit in lits) else NO
+
+
+def bare_head(text: str, names: Collection[str], fence: bool, listed: bool) -> BareHead | int:
+    """The head of a call written as plain JSON at the start of ``text``: a BareHead, MORE or NO.
+
+    ``[```json] [[] {"name": "<declared>", "arguments": {`` with whitespace between (in a list
+    already open ``, {...``; in a fence already open, no new fence). The arguments stream from the
+    head on, so the head alone decides: the name first and declared, the arguments an object (as
+    OpenAI's always are). ``"parameters"`` counts as ``"arguments"``, as in vLLM's llama3_json
+    parser (Llama 3.1 writes it): one more alternative here, and safe after a declared name.
+    Hand-written: every prefix must be judged, and Python's ``re`` has no partial matching (the
+    ``regex`` module's ``partial=True`` would be a new dependency for a dozen tokens).
+    """
+    i = _ws(text, 0)
+    opened_fence = opened_list = False
+    if listed:
+        i = _lit(text, i, ",")
+        if i < 0:
+            return i
+    elif not fence and text.startswith("`", i):
+        i = _lit(text, i, "```")
+        if i < 0:
+            return i
+        j = i
+        while j < len(text) and text[j].isalnum():
+            j += 1
+        lang = text[i:j].lower()
+        if j == len(text):
+            return MORE if "json".startswith(lang) else NO
+        if lang not in ("", "json"):
+            return NO
+        i, opened_fence = j, True
+    i = _ws(text, i)
+    if not listed and text.startswith("[", i):
+        i, opened_list = i + 1, True
+    for lit in ("{", '"name"', ":", '"'):
+        i = _lit(text, _ws(text, i), lit)
+        if i < 0:
+            return i
+    end = text.find('"', i)
+    if end < 0:  # names are [a-zA-Z0-9_-]{1,64} (OpenAI's rule): no escapes to decode
+        return MORE if any(n.startswith(text[i:]) for n in names) else NO
+    name = text[i:end]
+    if name not in names:
+        return NO
+    i = end + 1
+    for lits in ((",",), ('"arguments"', '"parameters"'), (":",)):
+        i = _lit(text, _ws(text, i), *lits)
+        if i < 0:
+            return i
+    i = _ws(text, i)
+    if i == len(text):
+        return MORE
+    return BareHead(i, name, opened_fence, opened_list) if text[i] == "{" else NO
+
+
+class ToolCallParser:
+    """Feed output text in any cuts; get back (content text, call deltas) for each piece.
+
+    ``names``: the request's declared tools, without which only ``<tool_call>`` text is a call;
+    ``parallel``: whether a run of plain-JSON calls may hold more than the first (tagged calls are
+    taken as they come: the grammar caps them where it applies).
+    """
+
+    def __init__(self, names: Collection[str] = (), parallel: bool = True) -> None:
+        self.names = frozenset(names)
+        self.parallel = parallel
+        # lead (a plain-JSON call may still open the output, or follow one) | content | head | args
+        # | tail (a tagged call's end) | after (a plain-JSON call's end)
+        self.state = "lead" if self.names else "content"
         self.buf = ""  # text not yet decided on
-        self.spaces = ""  # whitespace-only content held until something else shows (dropped around calls)
+        self.spaces = ""  # whitespace the output opens with: kept before content, dropped before a call
+        self.spoken = False  # content other than whitespace since the last call (or the start)
         self.calls = 0
+        self.bare = False  # the call in progress is plain JSON: it ends with its object, not a tag
+        self.fence = False  # plain-JSON calls: inside a ``` fence
+        self.listed = False  # plain-JSON calls: inside a [ list
         self.depth = 0  # arguments: JSON nesting depth
         self.in_string = False
         self.escaped = False
@@ -52,34 +153,60 @@ class ToolCallParser:
         self.buf += text
         content: list[str] = []
         calls: list[ToolCallDelta] = []
-        while True:
-            progressed = getattr(self, f"_{self.state}")(content, calls)
-            if not progressed:
-                return "".join(content), calls
+        self._run(content, calls)
+        return "".join(content), calls
 
     def flush(self) -> tuple[str, list[ToolCallDelta]]:
-        """End of output: a call whose head never completed falls back to a whole-body parse."""
+        """End of output: a plain-JSON head that never completed is content; a tagged call whose
+        head never completed falls back to a whole-body parse."""
         content: list[str] = []
         calls: list[ToolCallDelta] = []
+        if self.state == "lead":
+            self.state = "content"
+            self._run(content, calls)
         if self.state == "head":
             self._fallback(self.buf, content, calls)
         elif self.state == "content":
             self._content_text(self.buf, content)
-            if self.calls == 0 and self.spaces:
-                content.append(self.spaces)
+            content.append(self.spaces)
         self.buf, self.spaces = "", ""
         return "".join(content), calls
+
+    def _run(self, content: list[str], calls: list[ToolCallDelta]) -> None:
+        while getattr(self, f"_{self.state}")(content, calls):
+            pass
 
     # ---- states: each consumes what it can from buf; True when it changed state --------------
 
     def _content_text(self, text: str, out: list[str]) -> None:
-        if not text:
-            return
-        if text.strip():
-            out.append(("" if self.calls else self.spaces) + text)
-            self.spaces = ""
-        else:
-            self.spaces += text
+        """Content as it came, but for whitespace next to calls: after a call it is dropped, and
+        what the output opens with waits to see content (kept) or a call (dropped). Decided per
+        character, so the same however the text is cut."""
+        if not self.spoken:
+            stripped = text.lstrip()
+            if not self.calls:
+                self.spaces += text[: len(text) - len(stripped)]
+            if not stripped:
+                return
+            text, self.spaces, self.spoken = self.spaces + stripped, "", True
+        if text:
+            out.append(text)
+
+    def _lead(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
+        stripped = self.buf.lstrip(_WS)  # whitespace next to calls: as _content_text treats it
+        if not self.calls:
+            self.spaces += self.buf[: len(self.buf) - len(stripped)]
+        self.buf = stripped
+        head = bare_head(self.buf[:HEAD_MAX], self.names, self.fence, self.listed)
+        if head == MORE and len(self.buf) < HEAD_MAX:
+            return False
+        if not isinstance(head, BareHead):  # not a call: the text held goes out as it came
+            self.state = "content"
+            return True
+        self.fence, self.listed = self.fence or head.fence, self.listed or head.listed
+        self.buf = self.buf[head.at :]
+        self._open(head.name, calls, bare=True)
+        return True
 
     def _content(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
         at = self.buf.find(OPEN)
@@ -102,10 +229,8 @@ class ToolCallParser:
                 name = json.loads(f'"{m.group(1)}"')
             except ValueError:
                 name = m.group(1)
-            calls.append(ToolCallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", name))
             self.buf = self.buf[m.end() :]
-            self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
-            self.state = "args"
+            self._open(name, calls, bare=False)
             return True
         if close >= 0:  # a call in another layout (arguments first, ...): parse it whole
             self._fallback(self.buf[:close], content, calls)
@@ -114,17 +239,38 @@ class ToolCallParser:
             return True
         return False
 
+    def _open(self, name: str, calls: list[ToolCallDelta], bare: bool) -> None:
+        calls.append(ToolCallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", name))
+        self.spaces = ""
+        self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
+        self.bare = bare
+        self.state = "args"
+
     def _args(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
-        i, text = 0, self.buf
-        done = False
+        start, text = 0, self.buf
         if not self.started:
             stripped = text.lstrip()
-            i = len(text) - len(stripped)
+            start = len(text) - len(stripped)
             if not stripped:
                 self.buf = ""
                 return False
             self.started = True
-        start = i
+        end = self._walk(text, start)
+        stop = len(text) if end < 0 else end
+        if stop > start:
+            calls.append(ToolCallDelta(self.calls, text[start:stop]))
+        self.buf = text[stop:]
+        if end < 0:
+            return False
+        self.calls += 1
+        self.spoken = False
+        self.depth, self.state = (1, "after") if self.bare else (0, "tail")  # after: still in its object
+        return True
+
+    def _walk(self, text: str, i: int) -> int:
+        """Scan JSON from ``text[i]`` on (the scan's state kept across pieces): the index just past
+        the character that closes the value (from depth 1: the object the scan is in), -1 if
+        ``text`` ends first."""
         while i < len(text):
             ch = text[i]
             i += 1
@@ -141,17 +287,9 @@ class ToolCallParser:
                 self.depth += 1
             elif ch in "}]":
                 self.depth -= 1
-            if self.depth <= 0 and not self.in_string and ch in '}]"' and i > start:
-                done = True  # the value closed (an object, an array, or a string)
-                break
-        if i > start:
-            calls.append(ToolCallDelta(self.calls, text[start:i]))
-        self.buf = text[i:]
-        if done:
-            self.calls += 1
-            self.state = "tail"
-            return True
-        return False
+            if self.depth <= 0 and not self.in_string and ch in '}]"':
+                return i  # the value closed (an object, an array, or a string)
+        return -1
 
     def _tail(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
         close = self.buf.find(CLOSE)
@@ -161,6 +299,30 @@ class ToolCallParser:
             return False
         self.buf = self.buf[close + len(CLOSE) :]
         self.state = "content"
+        return True
+
+    def _after(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
+        """A plain-JSON call's end: the rest of its object (keys after the arguments are dropped),
+        the ``]`` and the fence that close it; then another call (if parallel calls are allowed
+        and the text may be one) or content."""
+        if self.depth > 0:
+            end = self._walk(self.buf, 0)
+            self.buf = "" if end < 0 else self.buf[end:]
+            if end < 0:
+                return False
+        while True:
+            self.buf = self.buf.lstrip(_WS)
+            if self.listed and self.buf.startswith("]"):
+                self.buf, self.listed = self.buf[1:], False
+            elif not self.listed and self.fence and self.buf.startswith("```"):
+                self.buf, self.fence = self.buf[3:], False
+            elif not self.buf or (not self.listed and self.fence and "```".startswith(self.buf)):
+                return False
+            else:
+                break
+        # may the text be another call: a list's next item, a fence's next object, anything after
+        another = self.buf[0] == "," if self.listed else not self.fence or self.buf[0] in "{["
+        self.state = "lead" if another and self.parallel else "content"
         return True
 
     def _fallback(self, body: str, content: list[str], calls: list[ToolCallDelta]) -> None:
@@ -173,9 +335,9 @@ class ToolCallParser:
             calls.append(ToolCallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", call["name"]))
             calls.append(ToolCallDelta(self.calls, args if isinstance(args, str) else json.dumps(args)))
             self.calls += 1
+            self.spoken = False
         else:  # not a call after all: the text goes out as it came
-            content.append(self.spaces + OPEN + body)
-            self.spaces = ""
+            self._content_text(OPEN + body, content)
 
 
 # ---- grammars -----------------------------------------------------------------------------------

@@ -4,12 +4,19 @@ deltas rebuild the same calls; odd layouts fall back to a whole-body parse or to
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Collection
+from typing import Any
 
+import httpx
 import pytest
 
+from gateway.app import create_app
 from gateway.backends import ToolCallDelta
 from gateway.remote import _tool_calls
+from gateway.settings import load_settings
 from gateway.tools import ToolCallParser, grammar_for, tool_grammar
+from tests.gateway.fakes import ScriptedEngine, token_ids
 
 TWO_CALLS = (
     '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "x}\\"{"}}\n</tool_call>\n'
@@ -17,8 +24,10 @@ TWO_CALLS = (
 )
 
 
-def parse(pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[ToolCallDelta]]:
-    p = ToolCallParser()
+def parse(
+    pieces: list[str], names: Collection[str] = (), parallel: bool = True
+) -> tuple[str, list[tuple[str, str]], list[ToolCallDelta]]:
+    p = ToolCallParser(names, parallel)
     content, deltas = "", []
     for piece in [*pieces, None]:
         text, calls = p.flush() if piece is None else p.feed(piece)
@@ -82,3 +91,144 @@ def test_upstream_tool_call_deltas_pass_through(repeat_id: bool) -> None:
                                          "function": {"arguments": '{"a"'}}]})  # fmt: skip
     assert first == [ToolCallDelta(0, "", "c1", "f")]
     assert later == [ToolCallDelta(0, '{"a"', None, None)]
+
+
+# ---- plain JSON calls (no tags) at the start of free text ---------------------------------------
+
+NAMES = ("get_weather", "add")
+W = '{"name": "get_weather", "arguments": {"city": "Paris", "note": "} ``` \\" ["}}'
+A = '{"name": "add", "arguments": {"a": 1, "b": [2, {"c": 3}]}}'
+W_CALL = ("get_weather", '{"city": "Paris", "note": "} ``` \\" ["}')
+A_CALL = ("add", '{"a": 1, "b": [2, {"c": 3}]}')
+
+PLAIN_CALLS: dict[str, tuple[str, list[tuple[str, str]]]] = {  # text -> (content, calls)
+    f"```json\n{W}\n```": ("", [W_CALL]),
+    f"\n  ```\n{W}\n```\n": ("", [W_CALL]),  # no fence language, whitespace around
+    f"```JSON\n{W}\n```": ("", [W_CALL]),
+    W: ("", [W_CALL]),
+    f"{W}\n{A}": ("", [W_CALL, A_CALL]),
+    f"```json\n{W}\n{A}\n```": ("", [W_CALL, A_CALL]),
+    f"```json\n[{W}, {A}]\n```": ("", [W_CALL, A_CALL]),
+    f"[\n  {W},\n  {A}\n]": ("", [W_CALL, A_CALL]),
+    f"```json\n{W}\n```\n\n```json\n{A}\n```": ("", [W_CALL, A_CALL]),
+    '{"name": "add", "parameters": {"a": 1}}': ("", [("add", '{"a": 1}')]),
+    '{"name":"add","arguments":{"a":1},"id":"x}"}': ("", [("add", '{"a":1}')]),  # later keys: dropped
+    f"```json\n{W}\n```\nThis looks up the weather.\n": ("This looks up the weather.\n", [W_CALL]),
+    f"{W}\n<tool_call>\n{A}\n</tool_call>": ("", [W_CALL, A_CALL]),
+    f"{W}\n```python\nx = 1\n```": ("```python\nx = 1\n```", [W_CALL]),  # code after the call: content
+}
+
+NOT_CALLS = [  # content, byte for byte
+    'To call it, write {"name": "get_weather", "arguments": {}} in a fence.',
+    '```json\n{"name": "get_time", "arguments": {}}\n```',  # not a declared tool
+    '{"name": "get_w", "arguments": {}}',  # a prefix of a declared name
+    '{"name": "get_weathers", "arguments": {}}',
+    '```json\n{"name": "get_weather", "city": "Paris"}\n```',  # no arguments
+    '{"name": "get_weather"}',
+    '```json\n{"city": "Paris", "temperature": 21}\n```',  # JSON, no call
+    '{"arguments": {"city": "Paris"}, "name": "get_weather"}',  # arguments first: not decidable at the head
+    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',  # arguments not an object
+    '{"name": "get_weather", "arguments": 5}',
+    '```python\nprint({"name": "get_weather", "arguments": {}})\n```',
+    '```js\n{"name": "get_weather", "arguments": {}}\n```',  # "js" begins "json"
+    "`get_weather` takes a city.",
+    "\n\n  [1, 2, 3]",
+    '[{"name": "Ada"}]',
+    '```json\n{"name": "get_we',  # the output ends inside a head
+    "``",
+    "   ",
+    "",
+    "{" + " " * 600 + '"name": "add", "arguments": {}}',  # past the longest head held back
+]
+
+TAGGED = [TWO_CALLS, f"Let me check.\n{TWO_CALLS}\n\nDone.\n\nBye", "<tool_call>not json</tool_call> \n x"]
+
+
+def cuttings(text: str) -> list[list[str]]:
+    """``text`` cut in two at every position, a character a piece, and in 50 random ways."""
+    rng = random.Random(text)
+    bounds = [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]
+    for _ in range(50 if len(text) > 1 else 0):
+        bounds.append(sorted(rng.sample(range(1, len(text)), rng.randint(1, min(8, len(text) - 1)))))
+    return [[text[a:b] for a, b in zip([0, *bs], [*bs, len(text)], strict=True)] for bs in bounds]
+
+
+@pytest.mark.parametrize("text", list(PLAIN_CALLS))
+def test_plain_json_calls_of_declared_tools_at_the_start_are_calls(text: str) -> None:
+    assert parse([text], NAMES)[:2] == PLAIN_CALLS[text]
+    if "<tool_call>" not in text:  # without declared tools, the same text is content
+        assert parse([text])[:2] == (text, [])
+
+
+@pytest.mark.parametrize("text", NOT_CALLS)
+def test_anything_else_stays_content_byte_for_byte(text: str) -> None:
+    assert parse([text], NAMES)[:2] == (text, [])
+
+
+@pytest.mark.parametrize("text", [*PLAIN_CALLS, *NOT_CALLS, *TAGGED])
+def test_streamed_equals_unstreamed_however_the_text_is_cut(text: str) -> None:
+    for names in (NAMES, ()):
+        whole = parse([text], names)[:2]
+        for pieces in cuttings(text):
+            assert parse(pieces, names)[:2] == whole, pieces
+
+
+def test_text_is_held_only_while_it_may_still_open_a_call() -> None:
+    p = ToolCallParser(NAMES)
+    for piece in ("\n`", "``", "json", "\n{", '"name": "get_w'):
+        assert p.feed(piece) == ("", [])
+    assert p.feed("x") == ('\n```json\n{"name": "get_wx', [])  # no declared name begins so: out at once
+    assert ToolCallParser(NAMES).feed("Sure") == ("Sure", [])
+    assert ToolCallParser(NAMES).feed("```py") == ("```py", [])
+    p = ToolCallParser(NAMES)
+    _, first = p.feed('```json\n{"name": "add", "arguments": {"a": ')
+    # the call opens and its arguments stream before its object closes
+    assert [(d.index, d.name, d.arguments) for d in first] == [(0, "add", ""), (0, None, '{"a": ')]
+    assert p.feed("1}}\n```") == ("", [ToolCallDelta(0, "1}")])
+    assert p.flush() == ("", []) and p.calls == 1
+    # the output's leading whitespace is not held as part of a head (nor rescanned)
+    assert parse(["\n" * 5000, A], NAMES)[:2] == ("", [A_CALL])
+    assert parse(["\n" * 5000, "Hi"], NAMES)[:2] == ("\n" * 5000 + "Hi", [])
+
+
+def test_one_call_only_when_parallel_calls_are_off() -> None:
+    assert parse([f"{W}\n{A}"], NAMES, parallel=False)[:2] == (A, [W_CALL])
+    content, calls, _ = parse([f"```json\n[{W}, {A}]\n```"], NAMES, parallel=False)
+    assert calls == [W_CALL] and content == f", {A}]\n```"
+
+
+def test_whitespace_next_to_tagged_calls_does_not_depend_on_the_cuts() -> None:
+    text = f"Let me check.\n{TWO_CALLS}\n\nDone.\n\nBye"
+    assert parse([text])[0] == "Let me check.\nDone.\n\nBye"
+    assert parse(list(text))[0] == "Let me check.\nDone.\n\nBye"  # was "Let me check.Done.Bye"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+async def test_a_fenced_call_through_the_gateway_streamed_and_not(name: str) -> None:
+    text = f'```json\n{{"name": "{name}", "arguments": {{"city": "Paris"}}}}\n```'
+    ids = token_ids(f"{text}<END>")
+    engine = ScriptedEngine([ids[i : i + 3] for i in range(0, len(ids), 3)])
+    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                            "tools": [WEATHER], "stop": ["<END>"]}  # fmt: skip
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        whole = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        raw = (await c.post("/v1/chat/completions", json={**body, "stream": True})).text
+    chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    args = "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []))
+    names = [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", []) if "id" in tc]
+    finish = chunks[-1]["choices"][0]["finish_reason"]
+    if name == "get_weather":
+        [call] = whole["message"]["tool_calls"]
+        assert whole["message"]["content"] is None and whole["finish_reason"] == "tool_calls"
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        assert (content, names, args, finish) == ("", ["get_weather"], '{"city": "Paris"}', "tool_calls")
+    else:
+        assert whole["message"]["content"] == text and whole["finish_reason"] == "stop"
+        assert "tool_calls" not in whole["message"]
+        assert (content, names, finish) == (text, [], "stop")
