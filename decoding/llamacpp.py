@@ -69,6 +69,15 @@ def _lib() -> Any:
     return llama_cpp
 
 
+def amx_build(lib: Any) -> bool:
+    """Whether this llama.cpp was built with its AMX kernels (``-DGGML_NATIVE=ON`` on a CPU with
+    AMX). They come with the extra ("repacked") weight buffers, and on the 2-core Xeon with AMX lent
+    here (llama-cpp-python 0.3.36 built by GCC 12) the first ``llama_decode`` of a prompt crashed the
+    process with a segmentation fault while they were on, and ran with them off (as the issue that
+    asked for this backend had found with ``--no-repack``): an AMX build loads without them."""
+    return b"AMX_INT8 = 1" in lib.llama_print_system_info()
+
+
 def cpu_threads() -> int:
     """The cores this process may run on (llama.cpp's own default counts the machine's)."""
     try:
@@ -96,6 +105,9 @@ class LlamaCppModel(PooledSlots):
         lib.llama_backend_init()
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
+        if repack and amx_build(lib):
+            log.info("llama.cpp has AMX kernels: weights are not repacked (they crashed, amx_build)")
+            repack = False
         mp.use_extra_bufts = repack
         self.exact_step = EXACT_STEP[repack]
         self.model = lib.llama_model_load_from_file(str(path).encode(), mp)
