@@ -36,10 +36,10 @@ from decoding.params import (
 from decoding.runner import Want, as_ids, forward_many
 from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
 from decoding.sequence import LoadedModel, Sequence
-from decoding.timing import PendingRead, StepTimer
+from decoding.timing import DeviceSpan, PendingRead, StepTimer
 from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 
-Timing = Literal["wall", "device", "none"]  # what a step's cost sample is (Engine._commit_step)
+Timing = Literal["wall", "none"]  # what a step's cost sample is (Engine._commit_step)
 
 
 class Engine:
@@ -102,13 +102,19 @@ class Engine:
                 return taken
         decoding = [s for s in seqs if s.prefilled]
         chunks = self._prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
-        ks = self._planned_ks(decoding)
-        forced = [self._forced(s) for s in decoding]  # [shaping] grammar-forced tokens: free drafts
+        plain = self._plain_beside_prompts(decoding, chunks)
+        if plain:
+            self._planned.pop(seqs[0].target.name, None)
+        ks = [0] * len(decoding) if plain else self._planned_ks(decoding)
+        # [shaping] grammar-forced tokens: free drafts
+        forced = [self._forced(s, 0 if plain else s.controller.k_max) for s in decoding]
         items: list[ProposeItem] = [
             (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
             for s, k, f in zip(decoding, ks, forced, strict=True)
         ]
+        lead = DeviceSpan(seqs[0].target.device)
         caught_up = catch_up_many(items)  # a one-off cost: kept out of the draft's per-token cost
+        lead.end()
         timer = StepTimer(seqs[0].target.device)
         start = time.perf_counter()
         proposals = propose_many(items)
@@ -130,9 +136,20 @@ class Engine:
             self._launch_ahead(decoding, verifying, None, in_flight=1)
         results = verifying.results()  # the step's one host sync
         # a step that also prefilled is no sample of a decode step's cost; one whose draft caught up
-        # a backlog is timed by the device alone (its wall time holds the catch-up)
-        timing: Timing = "none" if any(n for _, n in chunks) else "device" if caught_up else "wall"
-        outs = self._commit_step(decoding, results, batch.n_drafts, logits, timer, start, timing)
+        # a backlog is timed without the catch-up's device time, which its wall time waited for (its
+        # device time alone would leave out the host's share, which a speculative step pays in full:
+        # on the H200 ~2 ms of a 10 ms step at N = 4, enough to make a losing k look like a gain)
+        timing: Timing = "none" if any(n for _, n in chunks) else "wall"
+        outs = self._commit_step(
+            decoding,
+            results,
+            batch.n_drafts,
+            logits,
+            timer,
+            start,
+            timing,
+            lead.seconds() if caught_up else 0.0,
+        )
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
@@ -154,17 +171,19 @@ class Engine:
         timer: StepTimer,
         entry: float,
         timing: Timing = "wall",
+        lead: float = 0.0,
     ) -> dict[int, StepOutput | None]:
         """Every decoding row's outcome, and the step's costs for the controllers. The costs are the
-        step's wall time (host work included: it is what throughput pays), split between draft and
-        target as the device's events split them; ``timing`` "device": its device time alone,
-        "none": not a sample (acceptance still counts)."""
+        step's wall time since ``entry`` less ``lead`` (device work queued before ``entry`` that the
+        step waited for: a draft's catch-up), host work included, since it is what throughput pays,
+        split between draft and target as the device's events split them; ``timing`` "none": not a
+        sample (acceptance still counts)."""
         if not decoding:
             return {}
         d_draft, d_target = timer.done()
-        wall = max(time.perf_counter() - entry, d_draft + d_target)
+        wall = max(time.perf_counter() - entry - lead, d_draft + d_target)
         W = 1 + max(n_drafts)
-        if timing == "device" or (W == 1 and self._overlaps(decoding[0])):
+        if W == 1 and self._overlaps(decoding[0]):
             # plain steps queue back to back (_launch_ahead): the host's share is hidden, so what one
             # costs is its device time, also for a plain step between speculative ones
             wall = d_draft + d_target
@@ -263,17 +282,28 @@ class Engine:
         return [outs.get(id(s)) for s in seqs]
 
     @staticmethod
-    def _forced(seq: Sequence) -> list[int]:
+    def _plain_beside_prompts(decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> bool:
+        """Whether the decoding rows of a step that also takes prompt chunks decode plainly. A
+        graphed runner keys its graphs by (batch, width, chunk tokens): verification widths beside
+        every chunk size are shapes captured on first use, mid-stream (100-140 ms each for the
+        7B-shaped target on the H200, bench.probe_auto_fast), for one step's gain. Exact mode runs
+        every row at one width, so its shapes do not multiply."""
+        if not decoding or not any(n for _, n in chunks):
+            return False
+        runner = decoding[0].runner
+        model = getattr(runner, "batch_model", None)
+        return bool(getattr(model, "graphs_enabled", False)) and not getattr(runner, "exact", False)
+
+    @staticmethod
+    def _forced(seq: Sequence, limit: int) -> list[int]:
         """[shaping] The tokens the grammar forces next, proposed as drafts (verification still
         checks them: another tokenisation of the same bytes may be what the masked target prefers),
-        capped by the step width the runner allows and by max_tokens."""
+        capped by ``limit`` (the step width the runner allows) and by max_tokens."""
         shaping = seq.shaping
         if shaping is None or shaping.constraint is None or seq.drafter is None:
             return []
         remaining = seq.request.params.max_tokens - seq.completion_tokens
-        shaping.forced = shaping.constraint.propose_forced()[
-            : max(0, min(remaining - 1, seq.controller.k_max))
-        ]
+        shaping.forced = shaping.constraint.propose_forced()[: max(0, min(remaining - 1, limit))]
         return shaping.forced
 
     @staticmethod

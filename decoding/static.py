@@ -270,8 +270,15 @@ class StaticModel(PooledSlots):
             )
         if self.step_override is not None:  # another compiler's one-row step (trt.py)
             return [self._override_row(r) for r in rows]
-        short = [r for r in rows if r.tokens.shape[0] <= self.max_graph_tokens]
-        long = [r for r in rows if r.tokens.shape[0] > self.max_graph_tokens]
+        # where prompt chunks run as graphs, a row that wants no logits (a prompt's last few tokens,
+        # a draft's catch-up) goes with them whatever its length: among the decode rows it would set
+        # the step's width, one more graph shape per width beside each chunk size, captured mid-stream
+        chunked = self.graphs_enabled and self.fused_attention
+        as_chunk = [
+            r.tokens.shape[0] > self.max_graph_tokens or (chunked and r.logits == "none") for r in rows
+        ]
+        short = [r for r, c in zip(rows, as_chunk, strict=True) if not c]
+        long = [r for r, c in zip(rows, as_chunk, strict=True) if c]
         W = self.max_graph_tokens if exact else max((r.tokens.shape[0] for r in short), default=0)
         if short and not long and self.graphs_enabled:
             B = batch_bucket(len(short))

@@ -61,3 +61,26 @@ class StepTimer:
             return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
         t = self.times
         return t[1] - t[0], t[2] - t[1]
+
+
+class DeviceSpan:
+    """The device time of work queued between construction and ``end`` that a step's clock,
+    started after it was queued, waits for (a draft's catch-up): on CUDA its events' interval; 0 on
+    a CPU, where the work ran before the clock started."""
+
+    def __init__(self, device: torch.device):
+        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def end(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        """Call after the step's host sync (the span's events are then complete)."""
+        if self.events is None:
+            return 0.0
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1e3

@@ -314,9 +314,9 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
         had_chunks.append(any(n for _, n in out))
         return out
 
-    def spy_commit(self, decoding, results, n_drafts, logits, timer, entry, timing="wall"):  # type: ignore[no-untyped-def]
+    def spy_commit(self, decoding, results, n_drafts, logits, timer, entry, timing="wall", lead=0.0):  # type: ignore[no-untyped-def]
         timings.append(timing)
-        return commit(self, decoding, results, n_drafts, logits, timer, entry, timing)
+        return commit(self, decoding, results, n_drafts, logits, timer, entry, timing, lead)
 
     monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
     monkeypatch.setattr(Engine, "_commit_step", spy_commit)
@@ -398,3 +398,24 @@ def test_batch_costs_remeasure_the_plain_step_while_speculating():
     for _ in range(3):
         costs.observe(4, 4, 0, 0.0, 0.01)  # what those plain steps measured
     assert costs.best_k([(0.1, True, 4)] * 4, 0.1, probe=False) == 0  # at a = 0.1, speculation loses
+
+
+def test_rows_beside_prompt_chunks_decode_plainly_only_where_graphs_would_multiply():
+    """A graphed, non-exact runner decodes plainly in a step that takes prompt chunks (verification
+    widths beside chunk sizes would be graphs captured mid-stream); exact mode, graphless runners and
+    steps without chunks speculate as chosen."""
+    from types import SimpleNamespace
+
+    def seq(graphs: bool, exact: bool):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(
+            runner=SimpleNamespace(batch_model=SimpleNamespace(graphs_enabled=graphs), exact=exact)
+        )
+
+    rule = Engine._plain_beside_prompts
+    prompt = [(seq(True, False), 32)]
+    assert rule([seq(True, False)], prompt)
+    assert not rule([seq(True, True)], prompt)  # exact: one width, shapes do not multiply
+    assert not rule([seq(False, False)], prompt)  # no graphs to capture (the CPU)
+    assert not rule([seq(True, False)], [])  # no prompt chunk in the step
+    assert not rule([seq(True, False)], [(seq(True, False), 0)])  # a prefilling row over budget
+    assert not rule([], prompt)

@@ -191,6 +191,33 @@ def test_batched_graphs_give_each_request_its_output_alone(gpu_models, mode, k):
     assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 2, 5, 9, 9], budget=16) == expected
 
 
+def test_fast_mode_rows_beside_prompt_chunks_decode_plainly(gpu_models):
+    """Fast mode under graphs: a step that takes prompt chunks decodes its other rows plainly, so no
+    graph of a verification width beside chunks is captured mid-stream (Engine._plain_beside_prompts);
+    speculation resumes once the prompts are in, and outputs equal each request's alone."""
+    from tests.decoding.test_batch import run_batch
+
+    target = StaticModel(gpu_models["tiny"].model, 512, slots=8, graphs=True)
+    draft = StaticModel(gpu_models["tiny-draft"].model, 512, slots=8, graphs=True)
+    engine = _pair(target, draft)
+    reqs = [
+        GenerationRequest(
+            f"p{i}",
+            "t",
+            list(range(30 + i, 70 + 9 * i)),
+            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            SpecParams(SpecMode.DRAFT, max_k=3, adaptive=False),
+        )
+        for i in range(6)
+    ]
+    expected = {r.request_id: engine.generate(r)[0] for r in reqs}
+    assert run_batch(engine, reqs, join_at=[0, 2, 3, 5, 8, 9], budget=16) == expected
+    keys = set(target._graphs)  # (batch, width, attended length, slot, chunk tokens)
+    assert [key for key in keys if key[4] and key[0]], "no step had prompt chunks beside decode rows"
+    assert [key for key in keys if key[1] > 1 and not key[4]], "no step speculated"
+    assert not [key for key in keys if key[1] > 1 and key[4]], sorted(keys)
+
+
 def _invariant_model(max_len: int, slots: int, compile_step: bool) -> StaticModel:
     """A bf16 model in batch-invariant exact mode, under graphs."""
     return StaticModel(
