@@ -4,7 +4,8 @@ through ``AsyncEngine`` (aggregate tok/s, time to first token), speculation off 
 
     python -m bench.cpu_batch [--new 48]
 
-Writes bench/results_cpu_batch.json and docs/benchmarks.md's ``cpu-batch`` section.
+Writes bench/results_cpu_batch_<kind>.json and docs/benchmarks.md's ``cpu-batch-<kind>`` section, one
+per CPU kind (bench.report.cpu_kind: amx, avx512-bf16, avx2), since their multi-row costs differ.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from typing import Any
 import torch
 
 from bench.cpu_engine import encode_prompts
-from bench.report import stamp, write_section
+from bench.report import cpu_kind, stamp, write_section
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
 from decoding.loader import ModelSpec, cpu_bf16_features, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
-RESULTS = Path(__file__).with_name("results_cpu_batch.json")
+KIND = cpu_kind()
+RESULTS = Path(__file__).with_name(f"results_cpu_batch_{KIND}.json")
 BATCHES = (1, 2, 4)
 
 
@@ -127,13 +129,13 @@ def main(argv: list[str] | None = None) -> None:
             R["runs"][f"{mode.value} N={N}"] = res
             print(mode.value, N, res, flush=True)
     RESULTS.write_text(json.dumps(R, indent=1))
-    write_section("cpu-batch", render(R))
+    write_section(f"cpu-batch-{KIND}", render(R))
 
 
 def render(R: dict[str, Any]) -> str:
     step = {int(b): t for b, t in R["step_s"].items()}
     lines = [
-        "## The batched engine on the CPU (real pair)",
+        f"## The batched engine on the CPU (real pair), {KIND} CPU",
         "",
         f"{stamp()} bf16 matrix instructions: {', '.join(R['bf16']) or 'none'}. Qwen2.5-Coder-1.5B target "
         "with the 0.5B draft, bf16, `backend: static` (exact mode off, as `auto` runs a CPU without the llamacpp extra), chat prompts of the CPU engine benchmark, "

@@ -35,22 +35,12 @@ from typing import Any
 import httpx
 
 from bench.cpu_engine import GROUNDED, PROMPTS
-from bench.report import stamp, write_section
+from bench.report import cpu_kind, stamp, write_section
 from decoding import store
 from decoding.engine import Engine, LoadedModel
-from decoding.llamacpp import cpu_threads
+from decoding.llamacpp import _lib, amx_build, cpu_threads
 from decoding.loader import ModelSpec, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
-
-
-def cpu_kind() -> str:
-    """The CPU kind a run is filed under: the bf16 matrix instructions decide llama.cpp's and torch's
-    multi-row costs, so each kind keeps its own section and results (amx, avx512-bf16, avx2)."""
-    flags = next(
-        (ln.split() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), []
-    )
-    return "amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx2"
-
 
 KIND = cpu_kind()
 RESULTS = Path(__file__).with_name(f"results_cpu_llamacpp_{KIND}.json")
@@ -256,6 +246,8 @@ class LlamaServer:
             binary, "-m", str(model), "-t", str(threads), "-c", "4096", "-np", "1",
             "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", *extra,
         ]  # fmt: skip
+        if amx_build(_lib()):  # built from the same sources and flags: its AMX kernels crash too
+            self.cmd.append("--no-repack")
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(f"/tmp/llama-server-{self.port}.log")
 

@@ -46,6 +46,15 @@ def _module() -> str:
     return ".".join(rel.with_suffix("").parts)
 
 
+def cpu_kind() -> str:
+    """The CPU kind a CPU run is filed under: the bf16 matrix instructions decide llama.cpp's and
+    torch's multi-row costs, so each kind keeps its own section and results (amx, avx512-bf16, avx2)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((ln.split() for ln in lines if ln.startswith("flags")), [])
+    return "amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx2"
+
+
 def stamp() -> str:
     rev = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=DOC.parent.parent

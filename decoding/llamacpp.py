@@ -25,6 +25,8 @@ step computes:
   - one KV stream per sequence (``kv_unified = False``): a sequence's cells are its positions, so its
     attention sums in one order whatever runs beside it.
 Draft runners skip the step cap and batch freely: their rounding changes proposals, never output.
+A build with llama.cpp's AMX kernels loads without repacking (``amx_build``): with them its Q4_K steps
+crashed.
 """
 
 from __future__ import annotations
