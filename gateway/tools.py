@@ -127,8 +127,8 @@ class ToolCallParser:
     """Feed output text in any cuts; get back (content text, call deltas) for each piece.
 
     ``names``: the request's declared tools, without which only ``<tool_call>`` text is a call;
-    ``parallel``: whether a run of plain-JSON calls may hold more than the first (tagged calls are
-    taken as they come: the grammar caps them where it applies).
+    ``parallel``: whether the output may hold more calls than the first (False: the request's
+    ``parallel_tool_calls`` is false, and text after the first call is content, tagged or not).
     """
 
     def __init__(self, names: Collection[str] = (), parallel: bool = True) -> None:
@@ -209,6 +209,10 @@ class ToolCallParser:
         return True
 
     def _content(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
+        if self.calls and not self.parallel:  # parallel_tool_calls false: one call, then only text
+            self._content_text(self.buf, content)
+            self.buf = ""
+            return False
         at = self.buf.find(OPEN)
         if at < 0:
             keep = _held(self.buf, OPEN)

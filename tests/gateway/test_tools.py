@@ -195,6 +195,10 @@ def test_one_call_only_when_parallel_calls_are_off() -> None:
     assert parse([f"{W}\n{A}"], NAMES, parallel=False)[:2] == (A, [W_CALL])
     content, calls, _ = parse([f"```json\n[{W}, {A}]\n```"], NAMES, parallel=False)
     assert calls == [W_CALL] and content == f", {A}]\n```"
+    # tagged calls too (tool_choice auto, where no grammar caps them): the second stays text
+    for pieces in ([TWO_CALLS], list(TWO_CALLS)):
+        content, calls, _ = parse(pieces, NAMES, parallel=False)
+        assert [n for n, _ in calls] == ["add"] and content == TWO_CALLS[TWO_CALLS.index("<tool_call>", 1) :]
 
 
 def test_whitespace_next_to_tagged_calls_does_not_depend_on_the_cuts() -> None:
