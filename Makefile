@@ -20,8 +20,10 @@ EXTRAS     ?= dev,embeddings
 # first time (docs/architecture.md, "The llama.cpp backend"), then pip's wheel cache. auto: where cmake
 # and a C++ compiler are found, and a failed build falls back to the torch path; 1: required; 0: never.
 LLAMACPP   ?= auto
-# -march=native: the wheel pip caches is for this CPU only (images build without a compiler: no extra)
-LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+# -march=native: the wheel pip caches is for this CPU only (images build without a compiler: no extra).
+# -fno-dse: GCC 12 drops the stores to llama.cpp's AMX tile configuration, and its AMX kernels then
+# crash the process on a CPU with AMX (decoding.llamacpp.amx_works checks a build before using them).
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-fno-dse -fno-tree-dse' -DCMAKE_CXX_FLAGS='-fno-dse -fno-tree-dse'
 
 .PHONY: install serve test bench models lint
 

@@ -38,7 +38,7 @@ from bench.cpu_engine import GROUNDED, PROMPTS
 from bench.report import cpu_kind, stamp, write_section
 from decoding import store
 from decoding.engine import Engine, LoadedModel
-from decoding.llamacpp import _lib, amx_build, cpu_threads
+from decoding.llamacpp import _lib, amx_build, amx_works, cpu_threads
 from decoding.loader import ModelSpec, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
@@ -246,7 +246,10 @@ class LlamaServer:
             binary, "-m", str(model), "-t", str(threads), "-c", "4096", "-np", "1",
             "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", *extra,
         ]  # fmt: skip
-        if amx_build(_lib()):  # built from the same sources and flags: its AMX kernels crash too
+        lib = _lib()
+        # built from the same sources and flags as the library (docs/architecture.md): where the
+        # library's AMX kernels crash, the server's would too
+        if amx_build(lib) and not amx_works(lib, model):
             self.cmd.append("--no-repack")
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = Path(f"/tmp/llama-server-{self.port}.log")

@@ -25,15 +25,19 @@ step computes:
   - one KV stream per sequence (``kv_unified = False``): a sequence's cells are its positions, so its
     attention sums in one order whatever runs beside it.
 Draft runners skip the step cap and batch freely: their rounding changes proposals, never output.
-A build with llama.cpp's AMX kernels loads without repacking (``amx_build``): with them its Q4_K steps
-crashed.
+A build with llama.cpp's AMX kernels uses them where a child process finds they run (``amx_works``):
+GCC 12 builds without ``-fno-dse`` crashed in them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,13 +45,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from decoding import store
 from decoding.errors import ModelLoadError
 from decoding.runner import FreeSlots, PooledSlots, Row, SlotRunner, Tokens
 
 log = logging.getLogger("specgate.llamacpp")
 
-# the widest row exact mode runs, by whether weights are repacked (module docstring)
-EXACT_STEP = {True: 3, False: 7}
+# the widest row exact mode runs, by how the weights are held (module docstring): repacked for the
+# AVX2/AVX-512 kernels, as they ship, or in AMX tiles (integer sums: every row of every width up to 16
+# equalled its one-token step at 110 and 700 positions on a 2-core AMX Xeon; probed no wider)
+EXACT_STEP = {"repacked": 3, "plain": 7, "amx": 16}
 
 EXTRA_HINT = "pip install 'specgate[llamacpp]'"
 
@@ -72,12 +79,40 @@ def _lib() -> Any:
 
 
 def amx_build(lib: Any) -> bool:
-    """Whether this llama.cpp was built with its AMX kernels (``-DGGML_NATIVE=ON`` on a CPU with
-    AMX). They come with the extra ("repacked") weight buffers, and on the 2-core Xeon with AMX lent
-    here (llama-cpp-python 0.3.36 built by GCC 12) the first ``llama_decode`` of a prompt crashed the
-    process with a segmentation fault while they were on, and ran with them off (as the issue that
-    asked for this backend had found with ``--no-repack``): an AMX build loads without them."""
+    """Whether this llama.cpp was built with its AMX kernels (``-DGGML_NATIVE=ON`` on a CPU with AMX).
+    They take the weights into their own ("extra") buffers."""
     return b"AMX_INT8 = 1" in lib.llama_print_system_info()
+
+
+def amx_works(lib: Any, path: Path) -> bool:
+    """Whether this build's AMX kernels run: on the 2-core AMX Xeon lent here, llama-cpp-python 0.3.36
+    built by GCC 12 crashed the process (segmentation fault) in the first ``llama_decode`` of a prompt
+    with them on. That is upstream's open bug (llama.cpp issue 20824; PR 26954: GCC drops the stores
+    to the tile configuration on the stack before ``_tile_loadconfig`` reads it). Built with
+    ``-fno-dse -fno-tree-dse`` (the Makefile's flags) they ran and matched one-token steps bit for bit.
+    A crash cannot be caught in-process, so a child process decodes ``path`` with them once per build
+    of the library; the verdict is kept under the store's home."""
+    libdir = Path(lib.__file__).parent
+    build = sorted(
+        (str(f.relative_to(libdir)), f.stat().st_size, f.stat().st_mtime_ns) for f in libdir.rglob("*.so*")
+    )
+    key = hashlib.sha256(repr(build).encode()).hexdigest()[:16]
+    verdict = store.home() / "llamacpp" / f"amx-{key}.json"
+    if verdict.exists():
+        return bool(json.loads(verdict.read_text())["works"])
+    child = subprocess.run(
+        [sys.executable, "-m", "decoding.llamacpp", "--amx-check", str(path)],
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    works = child.returncode == 0
+    verdict.parent.mkdir(parents=True, exist_ok=True)
+    verdict.write_text(json.dumps({"works": works, "returncode": child.returncode, "library": str(libdir)}))
+    log.info(
+        "llama.cpp's AMX kernels %s (checked once for this build: %s)", "run" if works else "crash", verdict
+    )
+    return works
 
 
 def cpu_threads() -> int:
@@ -102,16 +137,21 @@ class LlamaCppModel(PooledSlots):
         unified_kv: bool = False,
         n_batch: int = 512,
         kv_type: str = "q8_0",
+        amx_checked: bool = False,  # the AMX self-test's own child: take the kernels as they are
     ):
         lib = self.lib = _lib()
         lib.llama_backend_init()
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
-        if repack and amx_build(lib):
-            log.info("llama.cpp has AMX kernels: weights are not repacked (they crashed, amx_build)")
-            repack = False
+        amx = repack and amx_build(lib)
+        if amx and not (amx_checked or amx_works(lib, path)):
+            log.warning(
+                "llama.cpp's AMX kernels crash in this build: weights are not repacked (rebuild with "
+                "`make install`'s LLAMACPP_CMAKE_ARGS for them; decoding.llamacpp.amx_works)"
+            )
+            repack = amx = False
         mp.use_extra_bufts = repack
-        self.exact_step = EXACT_STEP[repack]
+        self.exact_step = EXACT_STEP["amx" if amx else "repacked" if repack else "plain"]
         self.model = lib.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
@@ -311,3 +351,20 @@ class GGUFInfo:
 
     def get_output_embeddings(self) -> _Weight:
         return self._out
+
+
+def _check_amx(path: str) -> None:
+    """The child of ``amx_works``: a prompt and a verification-sized step with the AMX kernels on;
+    a crash is its exit status."""
+    llama = LlamaCppModel(Path(path), 256, 1, amx_checked=True)
+    runner = llama.runner()
+    runner.forward(list(range(100, 140)), logits=False)
+    runner.forward(list(range(200, 209)))
+    llama.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--amx-check"] and len(sys.argv) == 3:
+        _check_amx(sys.argv[2])
+    else:
+        raise SystemExit("usage: python -m decoding.llamacpp --amx-check GGUF")

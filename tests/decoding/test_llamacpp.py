@@ -116,7 +116,7 @@ def test_verification_rows_equal_one_token_steps_bit_for_bit(pair, context, repa
     try:
         one.forward(ids[:-1], logits=False)
         many.forward(ids[:-1], logits=False)
-        steps = [ids[-1], 785, 2038, 374, 264, 1140, 11][: many.max_step_tokens]  # logits, not text
+        steps = [ids[-1], *(785 + 7 * j for j in range(15))][: many.max_step_tokens]  # logits, not text
         singles = torch.cat([one.forward([t]) for t in steps])  # [max_step_tokens, V]
         for width in range(2, len(steps) + 1):
             many.crop(len(ids) - 1)
@@ -244,3 +244,44 @@ def test_torch_keeps_one_thread_where_llamacpp_runs_every_cpu_model(pair):
     import torch
 
     assert torch.get_num_threads() == 1  # its OpenMP threads would spin on llama.cpp's cores
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_an_amx_build_whose_kernels_crash_loads_without_them(monkeypatch):
+    """Where the child process finds llama.cpp's AMX kernels crash (GCC 12 without -fno-dse), the model
+    loads without the extra buffers and exact mode keeps the unrepacked step cap; a build whose kernels
+    run keeps them, with the AMX cap (every row of up to 16 equals its one-token step)."""
+    from decoding import llamacpp
+
+    _need_pair()
+    monkeypatch.setattr(llamacpp, "amx_build", lambda lib: True)
+    monkeypatch.setattr(llamacpp, "amx_works", lambda lib, path: False)
+    llama = llamacpp.LlamaCppModel(store.gguf_file(PAIR[1]), 256, 1)
+    try:
+        assert llama.exact_step == llamacpp.EXACT_STEP["plain"]
+    finally:
+        llama.close()
+
+
+@needs_llamacpp
+def test_the_amx_verdict_is_taken_once_per_build_of_the_library(monkeypatch, tmp_path):
+    """The child runs once per build (its shared objects' names, sizes and times); its exit status is
+    the verdict, kept under the store's home, and a crash (a signal) reads as 'does not work'."""
+    import subprocess
+
+    from decoding import llamacpp
+
+    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
+    runs: list[list[str]] = []
+
+    def child(args, **_):  # type: ignore[no-untyped-def]
+        runs.append(args)
+        return subprocess.CompletedProcess(args, -11)
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", child)
+    lib = llamacpp._lib()
+    assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is False
+    assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is False
+    assert len(runs) == 1 and runs[0][-2:] == ["--amx-check", str(tmp_path / "m.gguf")]
+    assert list((tmp_path / "llamacpp").glob("amx-*.json"))
