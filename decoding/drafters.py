@@ -225,17 +225,15 @@ def _draft_pass(runners: list[SequenceRunner], feed: list[torch.Tensor]) -> torc
 CATCH_UP_ROWS = 8
 
 
-def catch_up_many(items: list[ProposeItem]) -> bool:
+def catch_up_many(items: list[ProposeItem]) -> None:
     """Draft models absorb their backlogs (a prompt, tokens from plain steps) before the rows that
-    will draft do so: in passes of up to CATCH_UP_ROWS rows and a prefill chunk of tokens. Whether
-    any row had a backlog."""
+    will draft do so: in passes of up to CATCH_UP_ROWS rows and a prefill chunk of tokens."""
     todo = []
     for drafter, tokens, k, *_ in items:
         if isinstance(drafter, DraftModelDrafter) and k > 0:
             seen = drafter.runner.length
             if len(tokens) - seen > drafter.inline:
                 todo.append((drafter.runner, tokens[seen:-1], drafter.device))
-    caught = bool(todo)
     while todo:
         budget = getattr(todo[0][0], "prefill_chunk", None) or sum(len(t) for _, t, _ in todo)
         batch: list[tuple[SequenceRunner, torch.Tensor]] = []
@@ -249,7 +247,6 @@ def catch_up_many(items: list[ProposeItem]) -> bool:
                 rest.append((runner, toks[n:], device))
         forward_many([r for r, _ in batch], [t for _, t in batch], ["none"] * len(batch))
         todo = rest
-    return caught
 
 
 def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:

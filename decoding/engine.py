@@ -36,7 +36,7 @@ from decoding.params import (
 from decoding.runner import Want, as_ids, forward_many
 from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
 from decoding.sequence import LoadedModel, Sequence
-from decoding.timing import DeviceSpan, PendingRead, StepTimer
+from decoding.timing import PendingRead, StepTimer
 from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 
 Timing = Literal["wall", "none"]  # what a step's cost sample is (Engine._commit_step)
@@ -112,10 +112,9 @@ class Engine:
             (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
             for s, k, f in zip(decoding, ks, forced, strict=True)
         ]
-        lead = DeviceSpan(seqs[0].target.device)
-        caught_up = catch_up_many(items)  # a one-off cost: kept out of the draft's per-token cost
-        lead.end()
         timer = StepTimer(seqs[0].target.device)
+        catch_up_many(items)  # a one-off cost: kept out of the step's (StepTimer.lead)
+        timer.begin()
         start = time.perf_counter()
         proposals = propose_many(items)
         proposals = [
@@ -135,21 +134,9 @@ class Engine:
         if len(decoding) == len(seqs) and max(batch.n_drafts, default=1) == 0:
             self._launch_ahead(decoding, verifying, None, in_flight=1)
         results = verifying.results()  # the step's one host sync
-        # a step that also prefilled is no sample of a decode step's cost; one whose draft caught up
-        # a backlog is timed without the catch-up's device time, which its wall time waited for (its
-        # device time alone would leave out the host's share, which a speculative step pays in full:
-        # on the H200 ~2 ms of a 10 ms step at N = 4, enough to make a losing k look like a gain)
+        # a step that also prefilled is no sample of a decode step's cost
         timing: Timing = "none" if any(n for _, n in chunks) else "wall"
-        outs = self._commit_step(
-            decoding,
-            results,
-            batch.n_drafts,
-            logits,
-            timer,
-            start,
-            timing,
-            lead.seconds() if caught_up else 0.0,
-        )
+        outs = self._commit_step(decoding, results, batch.n_drafts, logits, timer, start, timing)
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
@@ -171,17 +158,17 @@ class Engine:
         timer: StepTimer,
         entry: float,
         timing: Timing = "wall",
-        lead: float = 0.0,
     ) -> dict[int, StepOutput | None]:
         """Every decoding row's outcome, and the step's costs for the controllers. The costs are the
-        step's wall time since ``entry`` less ``lead`` (device work queued before ``entry`` that the
-        step waited for: a draft's catch-up), host work included, since it is what throughput pays,
-        split between draft and target as the device's events split them; ``timing`` "none": not a
-        sample (acceptance still counts)."""
+        step's wall time since ``entry``, host work included (it is what throughput pays; a
+        speculative step's ~2 ms of it at N = 4 on the H200 decides whether a k pays), less the
+        device time of a draft's catch-up it waited for (``timer.lead``), split between draft and
+        target as the device's events split them; ``timing`` "none": not a sample (acceptance
+        still counts)."""
         if not decoding:
             return {}
         d_draft, d_target = timer.done()
-        wall = max(time.perf_counter() - entry - lead, d_draft + d_target)
+        wall = max(time.perf_counter() - entry - timer.lead(), d_draft + d_target)
         W = 1 + max(n_drafts)
         if W == 1 and self._overlaps(decoding[0]):
             # plain steps queue back to back (_launch_ahead): the host's share is hidden, so what one
@@ -283,16 +270,13 @@ class Engine:
 
     @staticmethod
     def _plain_beside_prompts(decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> bool:
-        """Whether the decoding rows of a step that also takes prompt chunks decode plainly. A
-        graphed runner keys its graphs by (batch, width, chunk tokens): verification widths beside
-        every chunk size are shapes captured on first use, mid-stream (100-140 ms each for the
-        7B-shaped target on the H200, bench.probe_auto_fast), for one step's gain. Exact mode runs
-        every row at one width, so its shapes do not multiply."""
+        """Whether the decoding rows of a step that also takes prompt chunks decode plainly: where
+        the target's model says verification widths cost it there (StaticModel.plain_beside_chunks)."""
         if not decoding or not any(n for _, n in chunks):
             return False
         runner = decoding[0].runner
-        model = getattr(runner, "batch_model", None)
-        return bool(getattr(model, "graphs_enabled", False)) and not getattr(runner, "exact", False)
+        plain = getattr(getattr(runner, "batch_model", None), "plain_beside_chunks", None)
+        return bool(plain and plain(runner.exact))  # type: ignore[attr-defined]
 
     @staticmethod
     def _forced(seq: Sequence, limit: int) -> list[int]:

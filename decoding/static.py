@@ -338,6 +338,14 @@ class StaticModel(PooledSlots):
             graph = self._graphs[key] = _Graph(self, B, W, L, key[3], P)
         return graph
 
+    def plain_beside_chunks(self, exact: bool) -> bool:
+        """Whether decode rows beside prompt chunks should be one token wide: graphs are keyed by
+        (batch, width, chunk tokens), so verification widths beside every chunk size are shapes
+        captured on first use, mid-stream (100-140 ms each for the 7B-shaped target on the H200,
+        bench.probe_auto_fast), for one step's gain. Exact mode runs every row at one width, so its
+        shapes do not multiply; without graphs nothing is captured."""
+        return self.graphs_enabled and not exact
+
     def _chunk_graph_fits(self, long: list[Row]) -> bool:
         """Whether a step's prompt chunks run in a captured graph: with the fused kernels, no
         logits wanted of them, and within the largest chunk bucket."""

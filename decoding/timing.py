@@ -34,8 +34,20 @@ class StepTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.lead_in: torch.cuda.Event | None = None
         if self.cuda:
             self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            self.events[0].record()
+        else:
+            self.times = [time.perf_counter()]
+
+    def begin(self) -> None:
+        """The work queued so far was a lead-in (a draft's catch-up), not the step's draft, whose
+        segment starts here. On CUDA that work may still run when the step's host clock starts, so
+        ``lead`` is its device time; on a CPU it is done by then, and ``lead`` is 0."""
+        if self.cuda:
+            self.lead_in = self.events[0]
+            self.events[0] = torch.cuda.Event(enable_timing=True)
             self.events[0].record()
         else:
             self.times = [time.perf_counter()]
@@ -62,25 +74,7 @@ class StepTimer:
         t = self.times
         return t[1] - t[0], t[2] - t[1]
 
-
-class DeviceSpan:
-    """The device time of work queued between construction and ``end`` that a step's clock,
-    started after it was queued, waits for (a draft's catch-up): on CUDA its events' interval; 0 on
-    a CPU, where the work ran before the clock started."""
-
-    def __init__(self, device: torch.device):
-        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.events[0].record()
-
-    def end(self) -> None:
-        if self.events is not None:
-            self.events[1].record()
-
-    def seconds(self) -> float:
-        """Call after the step's host sync (the span's events are then complete)."""
-        if self.events is None:
-            return 0.0
-        self.events[1].synchronize()
-        return self.events[0].elapsed_time(self.events[1]) / 1e3
+    def lead(self) -> float:
+        """Device seconds of the lead-in (``begin``) that a host clock started after it waited for;
+        call after ``done``."""
+        return 0.0 if self.lead_in is None else self.lead_in.elapsed_time(self.events[0]) / 1e3

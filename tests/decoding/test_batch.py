@@ -314,9 +314,9 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
         had_chunks.append(any(n for _, n in out))
         return out
 
-    def spy_commit(self, decoding, results, n_drafts, logits, timer, entry, timing="wall", lead=0.0):  # type: ignore[no-untyped-def]
+    def spy_commit(self, decoding, results, n_drafts, logits, timer, entry, timing="wall"):  # type: ignore[no-untyped-def]
         timings.append(timing)
-        return commit(self, decoding, results, n_drafts, logits, timer, entry, timing, lead)
+        return commit(self, decoding, results, n_drafts, logits, timer, entry, timing)
 
     monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
     monkeypatch.setattr(Engine, "_commit_step", spy_commit)
@@ -407,9 +407,9 @@ def test_rows_beside_prompt_chunks_decode_plainly_only_where_graphs_would_multip
     from types import SimpleNamespace
 
     def seq(graphs: bool, exact: bool):  # type: ignore[no-untyped-def]
-        return SimpleNamespace(
-            runner=SimpleNamespace(batch_model=SimpleNamespace(graphs_enabled=graphs), exact=exact)
-        )
+        model = SimpleNamespace(graphs_enabled=graphs)
+        model.plain_beside_chunks = lambda exact: StaticModel.plain_beside_chunks(model, exact)  # type: ignore[arg-type]
+        return SimpleNamespace(runner=SimpleNamespace(batch_model=model, exact=exact))
 
     rule = Engine._plain_beside_prompts
     prompt = [(seq(True, False), 32)]
@@ -419,3 +419,5 @@ def test_rows_beside_prompt_chunks_decode_plainly_only_where_graphs_would_multip
     assert not rule([seq(True, False)], [])  # no prompt chunk in the step
     assert not rule([seq(True, False)], [(seq(True, False), 0)])  # a prefilling row over budget
     assert not rule([], prompt)
+    other = SimpleNamespace(runner=SimpleNamespace(batch_model=SimpleNamespace(), exact=False))
+    assert not rule([other], prompt)  # a model without graph shapes (llama.cpp)
