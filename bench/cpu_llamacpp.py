@@ -38,7 +38,7 @@ from bench.cpu_engine import GROUNDED, PROMPTS
 from bench.report import cpu_kind, stamp, write_section
 from decoding import store
 from decoding.engine import Engine, LoadedModel
-from decoding.llamacpp import _lib, amx_build, amx_works, cpu_threads
+from decoding.llamacpp import EXACT_STEP, HELD, _lib, amx_build, amx_works, cpu_threads
 from decoding.loader import ModelSpec, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         "ttft_prompt_tokens": len(ttft_ids),
         "server": args.llama_server,
         "ttft": ttft,
-        # how the target's weights were held, and so exact mode's widest step (decoding.llamacpp)
-        "exact_step": models["target"].model.llama.exact_step,
+        "held": models["target"].model.llama.held,  # how the target's weights were held (EXACT_STEP)
     }
     RESULTS.write_text(json.dumps({"results": results, "names": names, **meta}))
     write_section(SECTION, render(results, names, meta))
@@ -352,6 +351,7 @@ def cpu_line() -> str:
 
 
 def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str, Any]) -> str:
+    held = meta.get("held", "repacked")  # runs before it was recorded held repacked weights
     ref = "llama.cpp target-only"
     lines = [
         f"## CPU: specgate on llama.cpp against llama.cpp's server (real pair), {KIND} CPU",
@@ -365,7 +365,7 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
         "",
         "Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft, the pinned Q4_K_M GGUFs as they ship, greedy, up to "
         "128 new tokens, chat template. specgate: `backend: llamacpp` in exact mode ("
-        f"{HELD[meta.get('exact_step', 3)]}, flash attention, q8_0 KV, steps of at most {meta.get('exact_step', 3)} "
+        f"{HELD[held]}, flash attention, q8_0 KV, steps of at most {EXACT_STEP[held]} "
         "tokens; decoding/llamacpp.py). "
         + (
             f"Reference: llama.cpp's `llama-server` ({meta['server']}) built from the same vendored sources, "
@@ -447,7 +447,7 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
             "with the AMX kernels a step of several tokens costs far less than as many one-token steps "
             "(4 tokens 1.55x, 8 tokens 2.15x one token on the 2-core AMX Xeon), so verification pays; "
             "the draft's one-token steps are what a proposal costs. "
-            if meta.get("exact_step") == 16
+            if held == "amx"
             else "on this CPU llama.cpp's Q4_K steps are compute-bound, so verifying k+1 tokens costs about k+1 "
             "one-token steps' worth less a little, and the controller keeps speculation off most of the time "
             "(`acc` is over the few steps it drafted). "
@@ -467,14 +467,6 @@ def render(results: dict[str, dict[str, Run]], names: list[str], meta: dict[str,
         "speculation error: on some prompts its draft output also differs from its own target-only output.",
     ]
     return "\n".join(lines)
-
-
-# how exact mode's target held its weights, by its widest step (decoding.llamacpp.EXACT_STEP)
-HELD = {
-    3: "repacked weights",
-    7: "weights as they ship, not repacked",
-    16: "weights in llama.cpp's AMX tiles",
-}
 
 
 def _met(ok: bool) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from decoding import store
-from decoding.llamacpp import LlamaCppModel, _lib
+from decoding.llamacpp import HELD, LlamaCppModel, _lib
 
 TARGET = "qwen2.5-coder-1.5b"
 STEPS = [(785 + 7 * j) % 150000 for j in range(16)]  # token ids: logits, not text
@@ -39,8 +39,7 @@ def _step(llama: LlamaCppModel, slot: int, start: int, tokens: list[int], real: 
 
 def probe(path: Path, name: str) -> None:
     llama = LlamaCppModel(path, 2048, 1)
-    # how the weights are held: repacked, in AMX tiles (where a build's AMX kernels run), or as shipped
-    name += {3: ", repacked", 7: ", not repacked", 16: ", in AMX tiles"}.get(llama.exact_step, "")
+    name += f", {HELD[llama.held]}"
     r = llama.runner()
     try:
         prompt = list(range(1000, 1110))

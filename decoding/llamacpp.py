@@ -55,6 +55,11 @@ log = logging.getLogger("specgate.llamacpp")
 # AVX2/AVX-512 kernels, as they ship, or in AMX tiles (integer sums: every row of every width up to 16
 # equalled its one-token step at 110 and 700 positions on a 2-core AMX Xeon; probed no wider)
 EXACT_STEP = {"repacked": 3, "plain": 7, "amx": 16}
+HELD = {  # the same three ways, in words (benchmarks say which one ran)
+    "repacked": "repacked weights",
+    "plain": "weights as they ship, not repacked",
+    "amx": "weights in llama.cpp's AMX tiles",
+}
 
 EXTRA_HINT = "pip install 'specgate[llamacpp]'"
 
@@ -151,7 +156,8 @@ class LlamaCppModel(PooledSlots):
             )
             repack = amx = False
         mp.use_extra_bufts = repack
-        self.exact_step = EXACT_STEP["amx" if amx else "repacked" if repack else "plain"]
+        self.held = "amx" if amx else "repacked" if repack else "plain"  # a key of EXACT_STEP and HELD
+        self.exact_step = EXACT_STEP[self.held]
         self.model = lib.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
