@@ -28,7 +28,7 @@ from decoding.engine import Engine
 from decoding.grammar import ll_tokenizer
 from decoding.loader import cpu_bf16_features
 from decoding.params import GenerationRequest, GrammarSpec, SamplingParams, SpecMode, SpecParams
-from gateway.tools import tool_grammar
+from gateway.grammars import tool_grammar
 
 RECORD = {
     "type": "object",

@@ -22,7 +22,8 @@ from decoding.params import FinishReason, GenerationRequest, RequestStats, Sampl
 from gateway.backends import Delta, Generation, Job, LogprobEntry
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.errors import bad_request
-from gateway.tools import ToolCallParser, grammar_for, template_messages
+from gateway.grammars import grammar_for, template_messages
+from gateway.tools import ToolCallParser
 
 _DONE = object()  # a pump finished its choice
 

@@ -240,7 +240,8 @@ def test_prediction_is_lossless_and_drafts_from_the_prediction(tiny_models):
 
 @pytest.mark.slow
 def test_real_pair_tool_call_uses_the_tool_call_token_and_parses(real_pair):
-    from gateway.tools import ToolCallParser, grammar_for
+    from gateway.grammars import grammar_for
+    from gateway.tools import ToolCallParser
 
     tool = {
         "type": "function",

@@ -13,9 +13,10 @@ import pytest
 
 from gateway.app import create_app
 from gateway.backends import ToolCallDelta
+from gateway.grammars import grammar_for, tool_grammar
 from gateway.remote import _tool_calls
 from gateway.settings import load_settings
-from gateway.tools import ToolCallParser, grammar_for, tool_grammar
+from gateway.tools import ToolCallParser
 from tests.gateway.fakes import ScriptedEngine, token_ids
 
 TWO_CALLS = (

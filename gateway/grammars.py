@@ -1,0 +1,83 @@
+"""What a chat request asks of the model's output, on the gateway side (pure Python, no torch): the
+grammar its ``response_format`` / ``tool_choice`` asks for (Qwen2.5's ``<tool_call>`` format for
+calls, each call's JSON checked against its function's parameters), and its messages as chat
+templates take them. ``gateway.tools`` parses what comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from decoding.params import JSON_LAYOUT, GrammarSpec
+from gateway.tools import CLOSE, OPEN
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """Lark for one call (or several, one per line) in Qwen2.5's format, each call's JSON checked
+    against its function's parameters."""
+    schema: dict[str, Any] = (
+        {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else _call_schema(tools[0])
+    )
+    schema["x-guidance"] = JSON_LAYOUT
+    more = ' ("\\n" call)*' if parallel else ""
+    # the tags as literals of their own: the grammar compiler makes each one token where it is one
+    return f'start: call{more}\ncall: "{OPEN}" "\\n" %json{json.dumps(schema)} "\\n" "{CLOSE}"\n'
+
+
+def grammar_for(
+    response_format: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel: bool,
+) -> GrammarSpec | None:
+    """The grammar a chat request's output must follow, or None (free text)."""
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if tools and choice != "none" and choice != "auto":
+        if isinstance(choice, dict):
+            tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+        return GrammarSpec("lark", tool_grammar(tools, parallel), param="tools")
+    fmt = (response_format or {}).get("type", "text")
+    if fmt == "text":
+        return None
+    if fmt == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    else:
+        spec = response_format.get("json_schema") or {} if response_format else {}
+        schema = spec.get("schema") or {"type": "object"}
+    if tools and choice == "auto":  # a call, or the answer in the format asked for
+        answer = f"%json{json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+        return GrammarSpec("lark", tool_grammar(tools, parallel).replace("start: ", f"start: {answer} | ", 1))
+    return GrammarSpec("json_schema", json.dumps(schema))
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates expect them: content "" for none, tool-call arguments as
+    objects (templates write them with ``tojson``)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict(c["function"])
+                with contextlib.suppress(TypeError, ValueError):
+                    fn["arguments"] = json.loads(fn["arguments"])
+                calls.append({**c, "function": fn})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
