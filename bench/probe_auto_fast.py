@@ -3,7 +3,11 @@ Runs fast off (the replay's reference), then auto, timing every engine step and 
 ones with what they held: rows, drafted tokens, the draft's catch-up backlog, graphs captured during
 the step, and dynamo recompiles (logged by torch).
 
-    python -m bench.probe_auto_fast [N ...]   (default 16)
+    python -m bench.probe_auto_fast [exact] [N ...]   (default 16)
+
+``exact``: the same in exact mode (bench.gpu_batch's auto row), every prompt in one prefill step.
+Each round prints where each request's output first parts from the replay's reference (past it, the
+replay's drafts are all rejected).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 import torch
 
 from bench.gpu import DRAFT, TARGET, build
-from bench.gpu_batch import MAX_LEN, NEW, PROMPT, corrupt, replay_engine, run_requests
+from bench.gpu_batch import EXACT_LEN, MAX_LEN, NEW, PROMPT, corrupt, replay_engine, run_requests
 from decoding.async_engine import AsyncEngine
 from decoding.controller import BatchCosts
 from decoding.engine import Engine
@@ -26,23 +30,31 @@ from decoding.static import StaticModel
 
 def main() -> None:
     torch._logging.set_logs(recompiles=True)
-    ns = [int(a) for a in sys.argv[1:]] or [16]
+    exact = "exact" in sys.argv[1:]
+    ns = [int(a) for a in sys.argv[1:] if a != "exact"] or [16]
     target, draft = build(TARGET, 0), build(DRAFT, 1)
-    tm = StaticModel(target, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
+    if exact:
+        tm = StaticModel(target, EXACT_LEN, slots=max(ns) + 2, graphs=True, compile_step=True, exact=True)
+    else:
+        tm = StaticModel(target, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
     dm = StaticModel(draft, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
     tm.warm()
     dm.warm()
     for N in ns:
-        probe(N, target, draft, tm, dm)
+        probe(N, target, draft, tm, dm, exact)
 
 
-def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel) -> None:  # type: ignore[no-untyped-def]
+def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool) -> None:  # type: ignore[no-untyped-def]
     buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N))
-    tm.capture(range(1, 2), buckets, chunk_tokens=(256,))
-    tm.capture(range(2, tm.max_graph_tokens + 1), buckets)
+    if exact:
+        tm.capture(range(1, 2), buckets)
+        tm.capture(range(0), (), chunk_tokens=(128, 256, 512))
+    else:
+        tm.capture(range(1, 2), buckets, chunk_tokens=(256,))
+        tm.capture(range(2, tm.max_graph_tokens + 1), buckets)
     dm.capture(range(1, dm.max_graph_tokens + 1), buckets)
     dm.capture(range(0), (), chunk_tokens=(128, 256, 512))
-    fast = replay_engine(target, draft, tm, dm, MAX_LEN, MAX_LEN)
+    fast = replay_engine(target, draft, tm, dm, tm.max_len if exact else MAX_LEN, MAX_LEN)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 150000, (N, PROMPT), generator=gen)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
@@ -87,9 +99,16 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel) -> None:  # t
         return outs
 
     for rnd in range(2):
-        ae = AsyncEngine(fast, N, N, 256)
+        # exact mode as bench.gpu_batch runs it: every prompt in one prefill step
+        ae = AsyncEngine(fast, 0, N, N * PROMPT) if exact else AsyncEngine(fast, N, N, 256)
         try:
-            _, _, outs, _ = asyncio.run(run_requests(ae, reqs(f"off{rnd}-", SpecParams(SpecMode.OFF))))
+            if exact:
+                ae.max_active = 0
+            t0 = time.perf_counter()
+            _, _, outs, _ = asyncio.run(
+                run_requests(ae, reqs(f"off{rnd}-", SpecParams(SpecMode.OFF)), hold=exact)
+            )
+            wall_off = time.perf_counter() - t0
             ref = [outs[f"off{rnd}-{i}"] for i in range(N)]
             auto = reqs(f"auto{rnd}-", SpecParams(SpecMode.DRAFT, max_k=8, adaptive=True))
             for i, r in enumerate(auto):
@@ -98,15 +117,24 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel) -> None:  # t
             BatchCosts.best_k = logged  # type: ignore[method-assign]
             log.clear()
             choices.clear()
+            if exact:
+                ae.max_active = 0
             t0 = time.perf_counter()
-            asyncio.run(run_requests(ae, auto))
+            _, _, got, _ = asyncio.run(run_requests(ae, auto, hold=exact))
             wall = time.perf_counter() - t0
         finally:
             Engine.step_batch = inner  # type: ignore[method-assign]
             BatchCosts.best_k = best_k  # type: ignore[method-assign]
             ae.shutdown()
         total = sum(x[0] for x in log)
-        print(f"N={N} round {rnd}: {len(log)} steps, {total * 1e3:.0f} ms in steps, {wall * 1e3:.0f} ms wall")
+        print(
+            f"N={N} round {rnd}: {len(log)} steps, {total * 1e3:.0f} ms in steps, {wall * 1e3:.0f} ms wall (off: {wall_off * 1e3:.0f} ms)"
+        )
+        parts = [
+            next((j for j, (x, y) in enumerate(zip(got[r.request_id], ref[i], strict=False)) if x != y), None)
+            for i, r in enumerate(auto)
+        ]
+        print("   output parts from the reference at:", parts)
         for i, c in enumerate(choices):
             if i < 12 or i % 16 == 0:
                 print(f"   choice {i}: {c}")

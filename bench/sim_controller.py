@@ -36,13 +36,15 @@ H200_TARGET_EXACT = {1: 5.04e-3, 4: 5.2e-3, 16: 5.9e-3, 32: 9.5e-3, 64: 16.0e-3}
 H200_DRAFT = {1: 1.33e-3, 4: 1.41e-3, 16: 1.45e-3, 64: 1.60e-3}
 # bench.gpu_batch at N = 1 (docs/benchmarks.md): plain exact decode 5.56 ms a token against 5.04 ms of
 # graph, so about 0.5 ms of host per step (read-back, commit, the next step's planning), of which
-# about 0.2 ms leaves the GPU idle inside a timed phase (the host launching its first kernel); the
-# draft's eager prefill, from the TTFT of fixed k against auto's, about 13 ms, and an eager catch-up
-# of a backlog costs about as much (both are launch-bound).
+# about 0.2 ms leaves the GPU idle inside a timed phase (the host launching its first kernel). The
+# draft's prompt and its backlogs replay prompt-chunk graphs since fa58035: bench.probe_auto_fast on
+# the H200 (2026-12-02 06:20 UTC) timed a k = 2 probe step at N = 4 / 16 (a backlog of 16-64 tokens
+# a row) 3.5 / 4.9 ms over a plain step, of which two draft passes are 2.8 / 2.9 ms, and the first
+# speculative step (the 128-token prompt) about 2 ms over a later one.
 HOST_S = 0.3e-3
 LAUNCH_S = 0.2e-3
-DRAFT_PREFILL_S = 13e-3
-CATCH_UP_S = 10e-3
+DRAFT_PREFILL_S = 2e-3
+CATCH_UP_S = 1.5e-3
 PROMPT = 128
 
 
@@ -87,10 +89,31 @@ class Result:
     itl_p99: float  # seconds, over every request's per-token gaps
 
 
-def simulate(N: int, mode: str, a: float, new: int = 128, k_fixed: int = 4, seed: int = 0) -> Result:
-    """N requests decoding ``new`` tokens each from a shared start (after their prefill)."""
+def simulate(
+    N: int,
+    mode: str,
+    a: float,
+    new: int = 128,
+    k_fixed: int = 4,
+    seed: int = 0,
+    collapse: float = 0.0,
+    engine: Engine | None = None,
+) -> Result:
+    """N requests decoding ``new`` tokens each from a shared start (after their prefill).
+    ``collapse``: past a position drawn per request (geometric, this mean) no draft is accepted, as
+    in bench.gpu_batch's fast-mode auto, where the replay's reference parts at a bf16 tie.
+    ``engine``: one that ran before (its measured costs and acceptance carry over)."""
     rng = random.Random(seed)
-    engine = Engine({})
+    engine = engine or Engine({})
+
+    def keep() -> list[bool]:
+        end = new + 16
+        if collapse:
+            end = 1
+            while rng.random() > 1 / collapse:
+                end += 1
+        return [i < end and rng.random() < a for i in range(new + 16)]
+
     drafter = DraftModelDrafter.__new__(DraftModelDrafter)  # the type is what the engine checks
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     seqs = [
@@ -103,10 +126,13 @@ def simulate(N: int, mode: str, a: float, new: int = 128, k_fixed: int = 4, seed
             ),
             drafter if mode != "off" else None,
             _Request(params),
-            [rng.random() < a for _ in range(new + 16)],
+            keep(),
         )
         for _ in range(N)
     ]
+    for s in seqs:
+        if s.drafter is not None:
+            engine._population(s).seed(s.controller)  # type: ignore[arg-type]
     every = list(seqs)
     clock, tokens = 0.0, 0
     while seqs:
@@ -134,6 +160,8 @@ def simulate(N: int, mode: str, a: float, new: int = 128, k_fixed: int = 4, seed
             while n < k and s.keep[s.completion_tokens + n]:
                 n += 1
             s.controller.observe(k, n, t_draft * k / K if k else 0.0, t_target)
+            if s.drafter is not None:
+                engine._population(s).observe(k, n)  # type: ignore[arg-type]
             if k:  # the draft's cache, cut back to the accepted drafts (it never fed its last one)
                 s.draft_seen = PROMPT + s.completion_tokens + min(n, k - 1)
             got = min(n + 1, new - s.completion_tokens)
@@ -145,8 +173,11 @@ def simulate(N: int, mode: str, a: float, new: int = 128, k_fixed: int = 4, seed
     return Result(tokens / clock, gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))])
 
 
-def mean(N: int, mode: str, a: float, seeds: int) -> Result:
-    runs = [simulate(N, mode, a, seed=s) for s in range(seeds)]
+def mean(N: int, mode: str, a: float, seeds: int, collapse: float, history: bool) -> Result:
+    """Means over ``seeds`` runs; ``history``: the runs share one engine, as the runs of one mode
+    at increasing N do in bench.gpu_batch (each learns from the runs before it)."""
+    engine = Engine({}) if history else None
+    runs = [simulate(N, mode, a, seed=s, collapse=collapse, engine=engine) for s in range(seeds)]
     return Result(sum(r.tps for r in runs) / seeds, sum(r.itl_p99 for r in runs) / seeds)
 
 
@@ -154,12 +185,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", type=float, default=0.8)
     ap.add_argument("--seeds", type=int, default=32, help="runs per point at N = 1 (fewer at larger N)")
+    ap.add_argument("--collapse", type=float, default=0.0, help="mean position where acceptance ends")
+    ap.add_argument("--history", action="store_true", help="runs at one N share an engine")
     args = ap.parse_args()
-    print(f"acceptance {args.a}: aggregate tok/s (cost model of the H200 run, exact mode)")
+    print(
+        f"acceptance {args.a}, collapse {args.collapse or 'never'}, history {args.history}:"
+        " aggregate tok/s (cost model of the H200 run, exact mode)"
+    )
     print("   N      off   on(k=4)     auto   auto/off  auto/on   p99 ms: off    on  auto")
     for N in (1, 2, 4, 8, 16, 32, 64):
         seeds = max(2, args.seeds // N)
-        off, on, auto = (mean(N, m, args.a, seeds) for m in ("off", "on", "auto"))
+        off, on, auto = (
+            mean(N, m, args.a, seeds, args.collapse, args.history) for m in ("off", "on", "auto")
+        )
         print(
             f"{N:4d} {off.tps:8.0f} {on.tps:9.0f} {auto.tps:8.0f} {auto.tps / off.tps:9.2f}x"
             f" {auto.tps / on.tps:7.2f}x {1e3 * off.itl_p99:14.1f} {1e3 * on.itl_p99:5.1f}"

@@ -189,6 +189,40 @@ class SpecController:
         self.rejected_w = 0.9 * self.rejected_w + (1 if accepted < k else 0)
 
 
+@dataclass
+class Population:
+    """Acceptance across the recent requests of one target and drafter kind: a new request's prior.
+
+    A request's own estimate starts from a prior of two observations; at a fixed a = 0.5 a batch of
+    new rows speculates from its first steps where the workload's drafts are rarely accepted, and
+    drafts timidly where they mostly are. SmartSpec (Liu et al. 2024, "Optimizing Speculative
+    Decoding for Serving LLMs Using Goodput") estimates acceptance as a moving average across
+    requests for the same reason; here it only sets where each request's own evidence starts.
+    """
+
+    decay: float = 0.99  # per verification observed: about the last hundred rows' outcomes
+    weight: float = 2.0  # the prior's strength, in observations (as the a = 0.5 prior's 1 + 1)
+    accepted_w: float = 0.0
+    rejected_w: float = 0.0
+
+    def observe(self, k: int, accepted: int) -> None:
+        """One row's verification of ``k`` drafts (the same counting as SpecController.observe)."""
+        if k == 0:
+            return
+        self.accepted_w = self.decay * self.accepted_w + accepted
+        self.rejected_w = self.decay * self.rejected_w + (1 if accepted < k else 0)
+
+    def seed(self, c: SpecController) -> None:
+        """Start ``c``'s acceptance counts at the population's estimate; with fewer than ``weight``
+        observations behind it, as they were. (Not the hopeless check's prior: a request it judged
+        hopeless would never draft, and a population of such requests would never learn again.)"""
+        n = self.accepted_w + self.rejected_w
+        if n < self.weight:
+            return
+        a = self.accepted_w / n
+        c.accepted_w, c.rejected_w = self.weight * a, self.weight * (1 - a)
+
+
 def _pow2_bucket(n: int) -> int:
     """Power-of-two bucket of a count (the cost table's key)."""
     return 1 << max(0, (n - 1).bit_length())

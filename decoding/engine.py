@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from decoding import admission
 from decoding.batch import DecodeBatch, QueuedStep, Verifying
-from decoding.controller import BatchCosts
+from decoding.controller import BatchCosts, Population
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
@@ -48,6 +48,7 @@ class Engine:
         self.ngram_max = ngram_max
         self.total_steps = 0  # target forward passes, all requests (observability, tests)
         self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
+        self.population: dict[tuple[str, str], Population] = {}  # per (target, drafter): acceptance
         self.overlap: bool | None = None  # queue plain steps ahead (None: where the device is CUDA)
         self._ahead: dict[str, QueuedStep] = {}  # per target: the plain step queued by the last call
         self.ahead_steps = 0  # steps queued ahead whose results were used (observability, tests)
@@ -70,7 +71,10 @@ class Engine:
         except BaseException:
             runner.release()
             raise
-        return admission.new_sequence(self.models, target, request, runner, drafter)
+        seq = admission.new_sequence(self.models, target, request, runner, drafter)
+        if drafter is not None:
+            self._population(seq).seed(seq.controller)
+        return seq
 
     def _drafter(self, target: LoadedModel, request: GenerationRequest) -> Drafter | None:
         """The request's drafter (a method, so that benchmarks can wrap it)."""
@@ -354,6 +358,9 @@ class Engine:
     def _costs(self, seq: Sequence) -> BatchCosts:
         return self.costs.setdefault(seq.target.name, BatchCosts())
 
+    def _population(self, seq: Sequence) -> Population:
+        return self.population.setdefault((seq.target.name, seq.stats.drafter), Population())
+
     def _choose_ks(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
         """Each row's k, never past max_tokens (``pending``: tokens of steps not yet read back).
         Alone: its own controller's choice. In a batch: one k for every adaptive row, the one that
@@ -456,6 +463,8 @@ class Engine:
         if seq.drafter is not None:
             seq.drafter.rollback(n_before + n)
         seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target, timed)
+        if seq.drafter is not None:
+            self._population(seq).observe(kk, n)
         self._record(seq.stats, kk, n, t_draft + t_target)
         if kk == 0 and seq.controller.switched_off:
             seq.stats.spec_disabled_steps += 1

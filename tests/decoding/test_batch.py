@@ -421,3 +421,22 @@ def test_rows_beside_prompt_chunks_decode_plainly_only_where_graphs_would_multip
     assert not rule([], prompt)
     other = SimpleNamespace(runner=SimpleNamespace(batch_model=SimpleNamespace(), exact=False))
     assert not rule([other], prompt)  # a model without graph shapes (llama.cpp)
+
+
+def test_a_new_request_starts_from_the_acceptance_of_the_ones_before(tiny_models):
+    engine = Engine(tiny_models)
+    first = request(tiny_models, "def add(a, b):", mode="draft", k=4, adaptive=False, max_tokens=16)
+    alone(engine, first)
+    (key, pop), *_ = engine.population.items()
+    assert key == ("tiny", "draft")
+    n = pop.accepted_w + pop.rejected_w
+    assert n >= pop.weight  # fixed k = 4 verified every step
+    seq = engine.start(request(tiny_models, "x", mode="draft", adaptive=True))
+    try:
+        assert seq.controller.acceptance == pytest.approx(pop.accepted_w / n)
+        assert seq.controller.accepted_w + seq.controller.rejected_w == pytest.approx(pop.weight)
+    finally:
+        seq.release()
+    plain = engine.start(request(tiny_models, "x"))  # no drafter: no prior to take
+    plain.release()
+    assert len(engine.population) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from decoding.controller import BatchCosts, SpecController, expected_tokens
+from decoding.controller import BatchCosts, Population, SpecController, expected_tokens
 
 
 def drive(c: SpecController, steps: int, accept_all: bool, t_draft: float, t_target: float) -> list[int]:
@@ -174,3 +174,46 @@ def test_remeasurement_is_rarer_where_speculation_clearly_pays():
     close = SpecController(k_max=8)  # a draft nearly as costly as the target: a close call (1.2x)
     ks = drive(close, 300, accept_all=True, t_draft=0.8 * T_TARGET, t_target=T_TARGET)
     assert ks[1:].count(0) >= 300 // 32 - 1
+
+
+def test_population_seeds_a_new_requests_acceptance_from_recent_ones():
+    pop = Population()
+    fresh = SpecController(k_max=4)
+    pop.seed(fresh)
+    assert fresh.acceptance == 0.5  # nothing observed yet: the a = 0.5 prior stands
+    for _ in range(200):  # drafts almost never accepted
+        pop.observe(2, 0)
+    pop.observe(0, 0)  # a plain step is no observation
+    low = SpecController(k_max=4)
+    pop.seed(low)
+    assert low.acceptance < 0.05
+    assert low.accepted_w + low.rejected_w == pop.weight  # a prior, not the population's weight
+    for _ in range(300):  # the workload changes: every draft accepted; old evidence decays
+        pop.observe(4, 4)
+    high = SpecController(k_max=4)
+    pop.seed(high)
+    assert high.acceptance > 0.9
+    # the request's own evidence takes over within a few steps
+    for _ in range(5):
+        high.observe(4, 0, 0.01, 0.1)
+    assert high.acceptance < 0.3
+
+
+def test_a_low_population_prior_keeps_a_batch_from_speculating_until_a_probe():
+    """Rows that start from the workload's low acceptance do not draft on their first steps (at the
+    a = 0.5 prior they would, and on a workload whose drafts are rejected each such step is lost)."""
+    costs = BatchCosts()
+    costs.observe(4, 4, 0, 0.0, 5e-3)  # plain: 5 ms
+    costs.observe(4, 12, 2, 2.8e-3, 5.2e-3)  # k = 2: 1.4 ms a draft pass, verification 5.2 ms
+    prior = [(0.5, True, 8)] * 4
+    assert costs.best_k(prior, 0.07, probe=False) > 0
+    pop = Population()
+    for _ in range(100):
+        pop.observe(2, 0)
+    rows = []
+    for _ in range(4):
+        c = SpecController(k_max=8)
+        pop.seed(c)
+        rows.append((c.acceptance, True, 8))
+    assert costs.best_k(rows, 0.07, probe=False) == 0
+    assert costs.best_k(rows, 0.07, probe=True) == 2  # probe turns still measure
