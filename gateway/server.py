@@ -23,6 +23,7 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -156,11 +157,8 @@ def _build_engine(settings: Settings) -> EngineClient:
     # decoding's engine imports torch: only here, where the server builds it
     from decoding.async_engine import AsyncEngine
     from decoding.engine import Engine
-    from decoding.loader import ModelSpec, load_all
+    from decoding.loader import ModelSpec, default_max_active, load_all
 
-    # static-cache backends hold one KV slot per live sequence: a model can be a target for
-    # max_active requests and a draft for as many more
-    slots = 2 * settings.limits.max_active
     specs = [
         ModelSpec(
             m.name,
@@ -170,14 +168,17 @@ def _build_engine(settings: Settings) -> EngineClient:
             m.device,
             m.max_context,
             backend=m.backend,
-            slots=slots,
             exact=m.exact,
             batch_invariant=m.batch_invariant,
         )
         for m in settings.models
     ]
+    max_active = settings.limits.max_active or default_max_active(specs)
+    # static-cache backends hold one KV slot per live sequence: a model can be a target for
+    # max_active requests and a draft for as many more
+    specs = [replace(s, slots=2 * max_active) for s in specs]
     engine = Engine(load_all(specs))
-    return AsyncEngine(engine, max_active=settings.limits.max_active, max_queued=settings.limits.max_queued)
+    return AsyncEngine(engine, max_active=max_active, max_queued=settings.limits.max_queued)
 
 
 def serve(config: str | None = None, host: str | None = None, port: int | None = None, **flags: Any) -> int:

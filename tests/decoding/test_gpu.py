@@ -316,3 +316,16 @@ def test_exact_mode_output_does_not_depend_on_prompt_chunking(compile_step):
     ]
     expected = {r.request_id: engine.generate(r)[0] for r in reqs}
     assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 3, 5, 5, 8], budget=16) == expected
+
+
+def test_max_active_on_a_gpu_is_sized_from_its_free_memory():
+    from decoding.loader import MAX_ACTIVE_GPU, default_max_active, footprint, max_active_for
+
+    tiny = ModelSpec("t", "tiny-random", dtype="float32", device="cuda")
+    assert default_max_active([tiny]) == MAX_ACTIVE_GPU  # a tiny model's slots fit many times over
+    # a context whose slots fill the device: what fits in the memory free now
+    huge = ModelSpec("t", "tiny-random", dtype="float32", device="cuda", max_context=4_000_000)
+    n = default_max_active([huge])
+    free, total = torch.cuda.mem_get_info()
+    assert n == max_active_for(free, total, [footprint(huge, torch.device("cuda"))])
+    assert 1 <= n < MAX_ACTIVE_GPU
