@@ -49,6 +49,9 @@ class ModelSpec:
     # not cover); the static backends and llamacpp batch requests
     backend: str = "auto"
     slots: int = 4  # static backends: sequences with a KV cache at once (>= the engine's max_active)
+    # CUDA graphs: capture at load every step shape of up to this many rows (the engine's
+    # max_active), so none is captured mid-stream; None: each on first use
+    max_batch: int | None = None
     # static backends: exact mode, every decode and verification step at one padded width
     # (decoding.runner.EXACT_WIDTH; see docs/architecture.md, Exact mode). None: on, except for `auto`
     # on a CPU, where exact mode's whole-cache attention costs more than a GPU's
@@ -275,6 +278,16 @@ def runner_factories(
             static = static_model(False)
         else:
             log.info("model %s: compiled in %.1fs", spec.name, time.perf_counter() - t0)
+    if spec.max_batch and static.graphs_enabled:
+        t0 = time.perf_counter()
+        n = static.capture_serving(spec.max_batch)
+        log.info(
+            "model %s: %d CUDA graphs captured (steps of up to %d rows) in %.1fs",
+            spec.name,
+            n,
+            spec.max_batch,
+            time.perf_counter() - t0,
+        )
     return static.runner, static.draft_runner
 
 

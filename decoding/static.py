@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from decoding import invariant, kernels
 from decoding.graphs import (
+    BATCH_BUCKETS,
     CHUNK_BUCKETS,
     CHUNK_ROWS,
     _Graph,
@@ -430,6 +431,18 @@ class StaticModel(PooledSlots):
                 self._graph(B, W, self._batch_len(W, self.exact), self.scratch)
                 for P in chunks:
                     self._graph(B, W, 0, -1, P)
+
+    def capture_serving(self, rows: int) -> int:
+        """Capture every graph a server's steps of up to ``rows`` rows use, ahead of its requests
+        (on first use each is a stall mid-stream: 100-140 ms for the 7B-shaped target on the H200):
+        one-token rows beside prompt chunks of every bucket (fast mode decodes such rows plainly;
+        exact mode's one width stands for every width), then every verification width alone, in
+        each batch bucket up to ``rows``. Returns how many were captured."""
+        before = len(self._graphs)
+        buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(rows))
+        self.capture(range(1, 2), buckets, chunk_tokens=(CHUNK_BUCKETS[-1],))
+        self.capture(range(2, self.max_graph_tokens + 1), buckets)
+        return len(self._graphs) - before
 
 
 def _want(logits: torch.Tensor, want: str) -> torch.Tensor | None:

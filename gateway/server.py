@@ -176,7 +176,7 @@ def _build_engine(settings: Settings) -> EngineClient:
     max_active = settings.limits.max_active or default_max_active(specs)
     # static-cache backends hold one KV slot per live sequence: a model can be a target for
     # max_active requests and a draft for as many more
-    specs = [replace(s, slots=2 * max_active) for s in specs]
+    specs = [replace(s, slots=2 * max_active, max_batch=max_active) for s in specs]
     engine = Engine(load_all(specs))
     return AsyncEngine(engine, max_active=max_active, max_queued=settings.limits.max_queued)
 

@@ -329,3 +329,36 @@ def test_max_active_on_a_gpu_is_sized_from_its_free_memory():
     free, total = torch.cuda.mem_get_info()
     assert n == max_active_for(free, total, [footprint(huge, torch.device("cuda"))])
     assert 1 <= n < MAX_ACTIVE_GPU
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_server_load_captures_every_graph_its_batches_use(exact):
+    """ModelSpec.max_batch: the graphs of every step shape up to that many rows are captured at
+    load, so a batch of requests joining, prefilling in chunks, speculating and leaving captures
+    none mid-stream."""
+    from tests.decoding.test_batch import run_batch
+
+    common = dict(dtype="float32", device="cuda", backend="cuda_graphs", max_context=512, slots=8)
+    models = load_all(
+        [
+            ModelSpec("t", "tiny-random", draft="d", exact=exact, max_batch=4, **common),
+            ModelSpec("d", "tiny-random-draft", exact=False, max_batch=4, **common),
+        ]
+    )
+    statics = [models[n].runner_factory.__self__ for n in ("t", "d")]  # type: ignore[attr-defined]
+    captured = [set(s._graphs) for s in statics]
+    assert all(captured)
+    engine = Engine(models)
+    reqs = [
+        GenerationRequest(
+            f"c{i}",
+            "t",
+            list(range(30 + i, 70 + 41 * i)),
+            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            SpecParams(SpecMode.DRAFT if i % 2 else SpecMode.OFF, max_k=2 + i, adaptive=i == 3),
+        )
+        for i in range(4)
+    ]
+    run_batch(engine, reqs, join_at=[0, 1, 3, 6], budget=64)
+    for s, before in zip(statics, captured, strict=True):
+        assert set(s._graphs) == before, sorted(set(s._graphs) - before)
