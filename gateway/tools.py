@@ -121,6 +121,24 @@ def bare_head(text: str, names: Collection[str], fence: bool, listed: bool) -> B
     return BareHead(i, name, opened_fence, opened_list) if text[i] == "{" else NO
 
 
+def _arguments(value: object) -> str | None:
+    """A whole-parsed call's ``arguments`` as OpenAI's always are, the JSON text of an object; None
+    where the model's value is no object (the call is then no call). Missing or null: ``{}``. A
+    string holding an object's JSON (a model that encoded the arguments twice): that JSON, not a
+    JSON string, which a client's ``json.loads(arguments)`` would hand on as a str."""
+    if value is None:
+        return "{}"
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, str):
+        try:
+            inner = json.loads(value)
+        except ValueError:
+            return None
+        return value if isinstance(inner, dict) else None
+    return None
+
+
 class ToolCallParser:
     """Feed output text in any cuts; get back (content text, call deltas) for each piece.
 
@@ -227,6 +245,16 @@ class ToolCallParser:
         m = _HEAD.match(self.buf)
         close = self.buf.find(CLOSE)
         if m is not None and (close < 0 or m.end() <= close):
+            # the arguments stream from here only as an object; any other value (a string holding
+            # the object's JSON, null, a number) is parsed whole at the close (_fallback)
+            value = self.buf[m.end() :].lstrip(_WS)
+            if not value:
+                return False
+            if value[0] != "{":
+                if close < 0:
+                    return False
+                m = None
+        if m is not None and (close < 0 or m.end() <= close):
             try:
                 name = json.loads(f'"{m.group(1)}"')
             except ValueError:
@@ -332,10 +360,12 @@ class ToolCallParser:
             call = json.loads(body)
         except ValueError:
             call = None
+        args = None
         if isinstance(call, dict) and isinstance(call.get("name"), str):
-            args = call.get("arguments", {})
+            args = _arguments(call.get("arguments", call.get("parameters")))
+        if args is not None:
             calls.append(ToolCallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", call["name"]))
-            calls.append(ToolCallDelta(self.calls, args if isinstance(args, str) else json.dumps(args)))
+            calls.append(ToolCallDelta(self.calls, args))
             self.calls += 1
             self.spoken = False
         else:  # not a call after all: the text goes out as it came

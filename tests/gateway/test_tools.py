@@ -72,6 +72,34 @@ def test_arguments_first_layout_falls_back_to_a_whole_parse_and_garbage_stays_te
     assert content == "<tool_call>not json" and calls == []
 
 
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ('"{\\"q\\": 1}"', '{"q": 1}'),  # encoded twice: the object's JSON, not a JSON string
+        ("null", "{}"),
+        ('{"city": "Zürich"}', '{"city": "Zürich"}'),
+    ],
+)
+def test_tagged_arguments_that_are_not_an_object_literal_are_normalised(value: str, expected: str) -> None:
+    text = f'<tool_call>{{"name": "f", "arguments": {value}}}</tool_call>'
+    for size in (1, 3, len(text)):
+        content, calls, _ = parse([text[i : i + size] for i in range(0, len(text), size)])
+        assert content == "" and calls == [("f", expected)], size
+        assert isinstance(json.loads(calls[0][1]), dict)
+    assert parse(['<tool_call>{"name": "f"}</tool_call>'])[1] == [("f", "{}")]  # no arguments at all
+    assert parse(['<tool_call>{"parameters": {"q": 2}, "name": "f"}</tool_call>'])[1] == [("f", '{"q": 2}')]
+
+
+@pytest.mark.parametrize("value", ["5", "[1, 2]", '"not json"', '"[1]"', "true"])
+def test_a_tagged_call_whose_arguments_are_no_object_is_no_call(value: str) -> None:
+    """OpenAI's arguments are always an object's JSON; a client parses them as one. A call that
+    cannot give one goes out as the text it was, however it was cut."""
+    text = f'<tool_call>{{"name": "f", "arguments": {value}}}</tool_call>'
+    for size in (1, 2, len(text)):
+        content, calls, _ = parse([text[i : i + size] for i in range(0, len(text), size)])
+        assert calls == [] and content.startswith('<tool_call>{"name": "f"'), size
+
+
 def test_grammars() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert grammar_for(None, tools, "none", True) is None
