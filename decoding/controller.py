@@ -247,14 +247,20 @@ class BatchCosts:
     # cost their device time, verification steps their wall time, so a bucket both fill (4 plain
     # rows, 2 rows of k = 1) would swing between the two.
     plain: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per plain step
+    plain_samples: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps observed
     target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per verification
     draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
     # While no k pays, the batch still drafts 2 on a probe turn (every probe_period x backoff steps),
     # so the rows' acceptance estimates and the draft's cost follow the text being generated.
     probe_period: int = 16
     # While some k pays, one step in this many is plain: the plain cost is what speculation must beat,
-    # and a batch that speculates from its first steps on would otherwise judge by one cold sample
+    # and a batch that speculates from its first steps on would otherwise judge by one cold sample.
+    # Where speculation beats plain by remeasure_margin, remeasure_slack times fewer (as
+    # SpecController._remeasure_period): such a plain step costs a whole step's gain (at a = 0.8 on
+    # the H200, ~2 of the 3 tokens a step gives) and could not change the choice.
     remeasure_every: int = 32
+    remeasure_margin: float = 1.25
+    remeasure_slack: int = 4
     steps: int = 0
     backoff: int = 1  # the period's multiplier: doubles while probes find speculation still not paying
     max_backoff: int = 8
@@ -270,6 +276,7 @@ class BatchCosts:
         if k == 0:
             b = _pow2_bucket(batch)
             self.plain[b] = _ema(self.plain.get(b), t_target)
+            self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
             return
         b = _pow2_bucket(rows)
         self.target[b] = _ema(self.target.get(b), t_target)
@@ -316,7 +323,12 @@ class BatchCosts:
                 best_k, best_rate = k, rate
         if best_k > 0:
             self.backoff = 1
-            if self.steps and self.steps % self.remeasure_every == 0:
+            # ... judged once the plain cost has two samples: a first one may be cold (a graph
+            # captured, a cache warming) and make any speculation look clearly better
+            trusted = self.plain_samples.get(_pow2_bucket(B), 0) >= 2
+            clear = trusted and best_rate * t_plain >= self.remeasure_margin * B
+            period = self.remeasure_every * (self.remeasure_slack if clear else 1)
+            if self.steps and self.steps % period == 0:
                 return 0
         elif probe:
             self.backoff = min(2 * self.backoff, self.max_backoff)

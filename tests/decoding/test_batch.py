@@ -394,10 +394,33 @@ def test_batch_costs_remeasure_the_plain_step_while_speculating():
     costs.observe(4, 4, 0, 0.0, 0.05)  # a cold first plain step: 5x its real cost
     costs.observe(4, 8, 1, 0.004, 0.011)
     ks = [costs.best_k([(0.1, True, 4)] * 4, 0.1, probe=costs.probe_turn()) for _ in range(64)]
+    # one cold sample is not trusted to show speculation clearly ahead: no slack in the period
     assert ks.count(0) >= 2 and max(ks) > 0
-    for _ in range(3):
-        costs.observe(4, 4, 0, 0.0, 0.01)  # what those plain steps measured
+    for _ in range(10):
+        costs.observe(4, 4, 0, 0.0, 0.01)  # what plain steps measure once warm
+    costs.probe_turn()  # a step that is no re-measurement turn
     assert costs.best_k([(0.1, True, 4)] * 4, 0.1, probe=False) == 0  # at a = 0.1, speculation loses
+
+
+def test_batch_costs_remeasure_less_often_where_speculation_clearly_pays():
+    """With the plain cost sampled twice and speculation far ahead (a = 0.8, verification about a
+    plain step), a plain re-measurement costs a step's gain and could not change the choice: one in
+    remeasure_every x remeasure_slack steps, not one in remeasure_every."""
+    from decoding.controller import BatchCosts
+
+    def plain_steps(costs: BatchCosts, n: int) -> int:
+        ks = [costs.best_k([(0.8, True, 4)] * 4, 0.1, probe=costs.probe_turn()) for _ in range(n)]
+        assert max(ks) > 0
+        return ks.count(0)
+
+    close, clear = BatchCosts(), BatchCosts()
+    for costs in (close, clear):
+        costs.observe(4, 16, 3, 0.0042, 0.0052)  # k = 3: three 1.4 ms draft passes, 5.2 ms verification
+    close.observe(4, 4, 0, 0.0, 0.0052)  # one plain sample: not yet trusted
+    for _ in range(2):
+        clear.observe(4, 4, 0, 0.0, 0.0052)
+    assert plain_steps(close, 128) == 4
+    assert plain_steps(clear, 128) == 1
 
 
 def test_rows_beside_prompt_chunks_decode_plainly_only_where_graphs_would_multiply():
