@@ -319,10 +319,12 @@ def _linear_seconds(dtype: torch.dtype, rows: int, d: int = 1536, reps: int = 5)
 @functools.cache
 def cpu_auto_dtype() -> torch.dtype:
     """``dtype: auto`` on the torch CPU path, chosen once by measuring (issue 14): bf16 where an 8-row
-    bf16 matmul (prefill chunks, verification) is no slower than float32's, float32 where bf16 runs
+    bf16 matmul (verification, batched decode) is no slower than float32's, float32 where bf16 runs
     its rows one by one (CPUs without bf16 matrix instructions), which made a 110-token prompt's first
     token 4x slower in bf16 there. Logged with the numbers. One-row decode is then float32's, slower
-    in bytes: the trade the issue measured (TTFT 15.7 s -> 4 s, decode 3.3 -> 1.5 tok/s)."""
+    in bytes: the trade the issue measured (TTFT 15.7 s -> 4 s, decode 3.3 -> 1.5 tok/s). Some CPUs
+    without bf16 instructions sit between: on an AVX2 EPYC bf16 was faster at 1 and 8 rows and 2x
+    slower at a 64-row prompt chunk (docs/benchmarks.md, cpu-batch-avx2); bf16 is kept there."""
     b1, b8 = _linear_seconds(torch.bfloat16, 1), _linear_seconds(torch.bfloat16, 8)
     f8 = _linear_seconds(torch.float32, 8)
     picked = torch.bfloat16 if b8 <= f8 else torch.float32
