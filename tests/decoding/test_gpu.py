@@ -16,6 +16,13 @@ from decoding.static import StaticModel
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _greedy(rid: str, model: str, ids: range, max_tokens: int, spec: SpecParams) -> GenerationRequest:
+    """A greedy request of ``max_tokens`` that ignores EOS (outputs of one length to compare)."""
+    return GenerationRequest(
+        rid, model, list(ids), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), spec
+    )
+
+
 @pytest.fixture(scope="module")
 def gpu_models():
     return load_all(
@@ -177,11 +184,11 @@ def test_batched_graphs_give_each_request_its_output_alone(gpu_models, mode, k):
 
     engine = Engine(gpu_models)
     reqs = [
-        GenerationRequest(
+        _greedy(
             f"g{i}",
             "tiny",
-            list(range(30 + i, 60 + 7 * i)),
-            SamplingParams(max_tokens=20 + 3 * i, temperature=0, ignore_eos=True),
+            range(30 + i, 60 + 7 * i),
+            20 + 3 * i,
             SpecParams(SpecMode(mode), max_k=k, adaptive=False),
         )
         for i in range(8)
@@ -350,11 +357,11 @@ def test_a_server_load_captures_every_graph_its_batches_use(exact):
     assert all(captured)
     engine = Engine(models)
     reqs = [
-        GenerationRequest(
+        _greedy(
             f"c{i}",
             "t",
-            list(range(30 + i, 70 + 41 * i)),
-            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            range(30 + i, 70 + 41 * i),
+            24,
             SpecParams(SpecMode.DRAFT if i % 2 else SpecMode.OFF, max_k=2 + i, adaptive=i == 3),
         )
         for i in range(4)
