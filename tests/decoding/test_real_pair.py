@@ -18,6 +18,8 @@ PROMPTS = [
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_real_pair_greedy_is_lossless(real_pair, prompt):
+    """Draft speculation on every prompt; prompt lookup where it proposes most, the edit (each run
+    of the 1.5B in float32 is ~30 s on a 2-core AVX2 CPU)."""
     engine = Engine(real_pair)
     tok = real_pair["target"].tokenizer
     ids = list(
@@ -29,13 +31,15 @@ def test_real_pair_greedy_is_lossless(real_pair, prompt):
     def run(mode: str, k: int) -> tuple[list[int], float]:
         # fixed k: in float32 on a CPU the goodput check may (rightly) switch speculation off
         spec = SpecParams(SpecMode(mode), max_k=k, adaptive=False)
-        req = GenerationRequest("r", "target", ids, SamplingParams(max_tokens=32, temperature=0), spec)
+        req = GenerationRequest("r", "target", ids, SamplingParams(max_tokens=24, temperature=0), spec)
         out, stats, _ = engine.generate(req)
         return out, stats.acceptance_rate
 
     plain, _ = run("off", 1)
     draft, acceptance = run("draft", 4)
-    ngram, _ = run("ngram", 4)
     assert draft == plain
-    assert ngram == plain
     assert acceptance > 0.2  # a real draft of the same family agrees often; random would be ~0
+    if prompt.startswith("Rename"):
+        ngram, ngram_acceptance = run("ngram", 4)
+        assert ngram == plain
+        assert ngram_acceptance > 0  # the edit repeats the code: some lookups were accepted
