@@ -424,7 +424,10 @@ def footprint(spec: ModelSpec, device: torch.device, pull: bool = True) -> Footp
     meta device: nothing is allocated or read but the config)."""
     where, gguf = resolve(spec.source, pull=pull)
     kwargs = {"gguf_file": gguf} if gguf else {}
-    config = AutoConfig.from_pretrained(where, **kwargs)
+    try:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as exc:  # as load() reports it
+        raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
     dtype = pick_dtype(spec.dtype, device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

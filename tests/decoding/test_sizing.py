@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from decoding.errors import ModelLoadError
 from decoding.loader import (
     CPU_MAX_ACTIVE,
     MAX_ACTIVE_GPU,
@@ -39,6 +41,11 @@ def test_footprint_counts_the_weights_and_the_static_cache_a_slot_holds():
     static = StaticModel(model, max_len=200, slots=3, graphs=False)
     kv = sum(c.numel() * c.element_size() for c in static.k_cache + static.v_cache) // (static.slots + 1)
     assert fp.slot_bytes == kv
+
+
+def test_a_source_that_cannot_be_read_is_a_load_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="could not load model 'x'"):
+        footprint(ModelSpec("x", str(tmp_path)), torch.device("cpu"))
 
 
 def test_on_a_cpu_the_default_is_fixed():
