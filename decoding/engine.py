@@ -359,7 +359,11 @@ class Engine:
         return self.costs.setdefault(seq.target.name, BatchCosts())
 
     def _population(self, seq: Sequence) -> Population:
-        return self.population.setdefault((seq.target.name, seq.stats.drafter), Population())
+        key = (seq.target.name, seq.stats.drafter)
+        pop = self.population.get(key)  # per row and step: no Population built to be thrown away
+        if pop is None:
+            pop = self.population[key] = Population()
+        return pop
 
     def _choose_ks(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
         """Each row's k, never past max_tokens (``pending``: tokens of steps not yet read back).
@@ -463,7 +467,7 @@ class Engine:
         if seq.drafter is not None:
             seq.drafter.rollback(n_before + n)
         seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target, timed)
-        if seq.drafter is not None:
+        if kk and seq.drafter is not None:  # a verification: what the population counts
             self._population(seq).observe(kk, n)
         self._record(seq.stats, kk, n, t_draft + t_target)
         if kk == 0 and seq.controller.switched_off:

@@ -108,6 +108,18 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return value
 
 
+def _unreadable(spec: ModelSpec, exc: Exception) -> ModelLoadError:
+    return ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}")
+
+
+def serving_context(spec: ModelSpec, config: object, static: bool = True) -> int:
+    """The context a model is served at: ``max_context``, else its config's (4096 where it names
+    none), capped at STATIC_CONTEXT on a static cache (attended over whole at every step; tensorrt
+    and llama.cpp hold one too)."""
+    declared = int(getattr(config, "max_position_embeddings", None) or 4096)
+    return spec.max_context or (min(declared, STATIC_CONTEXT) if static else declared)
+
+
 def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     t0 = time.perf_counter()
     device = pick_device(spec.device)
@@ -120,7 +132,7 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
+        raise _unreadable(spec, exc) from exc
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
     if store.canonical(spec.source) in tiny.TINY:
         tokenizer.chat_template = tiny.CHATML  # the current template, also for tiny models built earlier
@@ -135,9 +147,7 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
             )
             backend = "eager"
         spec = replace(spec, exact=False if spec.exact is None else spec.exact)
-    # a static cache is attended over whole at every step: unset, it holds up to STATIC_CONTEXT tokens
-    static_cap = STATIC_CONTEXT if backend != "eager" else config_ctx  # tensorrt runs on the static cache too
-    max_context = spec.max_context or min(config_ctx, static_cap)
+    max_context = serving_context(spec, model.config, static=backend != "eager")
     eos = _eos_ids(model, tokenizer)
     factory, draft_factory = runner_factories(replace(spec, backend=backend), model, device, max_context)
     log.info("loaded %s from %s on %s/%s in %.1fs", spec.name, where, device, dtype, time.perf_counter() - t0)
@@ -207,13 +217,12 @@ def load_llamacpp(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         config = AutoConfig.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
+        raise _unreadable(spec, exc) from exc
     generation = None  # a bare GGUF carries none; the converted directory has the model's own
     if not gguf:
         with contextlib.suppress(OSError, ValueError):
             generation = GenerationConfig.from_pretrained(where)
-    config_ctx = int(getattr(config, "max_position_embeddings", None) or 4096)
-    max_context = spec.max_context or min(config_ctx, STATIC_CONTEXT)
+    max_context = serving_context(spec, config)
     llama = LlamaCppModel(path, max_len=max_context, slots=spec.slots)
     info = GGUFInfo(llama, config, generation)
     log.info(
@@ -427,7 +436,7 @@ def footprint(spec: ModelSpec, device: torch.device, pull: bool = True) -> Footp
     try:
         config = AutoConfig.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as exc:  # as load() reports it
-        raise ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}") from exc
+        raise _unreadable(spec, exc) from exc
     dtype = pick_dtype(spec.dtype, device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -437,7 +446,7 @@ def footprint(spec: ModelSpec, device: torch.device, pull: bool = True) -> Footp
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * size
-    context = spec.max_context or min(int(getattr(text, "max_position_embeddings", 4096)), STATIC_CONTEXT)
+    context = serving_context(spec, text)
     # a static cache leaves room for one more padded step, rounded to 16 (StaticModel.cache_len)
     return Footprint(weights, per_token * -(-(context + 16) // 16) * 16)
 

@@ -248,20 +248,16 @@ class ToolCallParser:
             # the arguments stream from here only as an object; any other value (a string holding
             # the object's JSON, null, a number) is parsed whole at the close (_fallback)
             value = self.buf[m.end() :].lstrip(_WS)
-            if not value:
+            if value.startswith("{"):
+                try:
+                    name = json.loads(f'"{m.group(1)}"')
+                except ValueError:
+                    name = m.group(1)
+                self.buf = self.buf[m.end() :]
+                self._open(name, calls, bare=False)
+                return True
+            if not value or close < 0:
                 return False
-            if value[0] != "{":
-                if close < 0:
-                    return False
-                m = None
-        if m is not None and (close < 0 or m.end() <= close):
-            try:
-                name = json.loads(f'"{m.group(1)}"')
-            except ValueError:
-                name = m.group(1)
-            self.buf = self.buf[m.end() :]
-            self._open(name, calls, bare=False)
-            return True
         if close >= 0:  # a call in another layout (arguments first, ...): parse it whole
             self._fallback(self.buf[:close], content, calls)
             self.buf = self.buf[close + len(CLOSE) :]
