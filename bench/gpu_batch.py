@@ -5,7 +5,7 @@ Imports only ``decoding/`` and ``bench/`` (the device image has torch and transf
 stack). Writes every number to ``--out`` (JSON) after each stage; ``--report`` renders a saved JSON
 into docs/benchmarks.md's section and its plot (run where matplotlib is).
 
-    python -m bench.gpu_batch [--quick] [--no-compile]
+    python -m bench.gpu_batch [--quick] [--no-compile] [--ns 1,2,4]
     python -m bench.gpu_batch --report bench/results_gpu_batch.json
 
 Measured, in one run:
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench/results_gpu_batch.json")
     ap.add_argument("--quick", action="store_true", help="N up to 16, no transformers comparison")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without inductor")
+    ap.add_argument("--ns", help="comma-separated N to run (default: all, or up to 16 with --quick)")
     ap.add_argument("--report", help="render a saved JSON into docs/benchmarks.md and stop")
     args = ap.parse_args(argv)
     if args.report:
@@ -216,7 +217,10 @@ def main(argv: list[str] | None = None) -> None:
         "transformers_version": transformers.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m bench.gpu_batch" + " --quick" * args.quick + " --no-compile" * args.no_compile,
+        "command": "python -m bench.gpu_batch"
+        + " --quick" * args.quick
+        + " --no-compile" * args.no_compile
+        + (f" --ns {args.ns}" if args.ns else ""),
         "prompt": PROMPT,
         "new": NEW,
         "acceptance": ACCEPTANCE,
@@ -232,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     R["kv_bytes_per_token"] = kv_row
     ns = [n for n in NS if n <= 16] if args.quick else list(NS)
+    if args.ns:
+        ns = [int(n) for n in args.ns.split(",")]
     slots = max(ns) + 2
     t0 = time.perf_counter()
     compiled = not args.no_compile

@@ -1,11 +1,11 @@
 """The decoding rows of one batched step, described once (after vLLM's ``SpecDecodeMetadata``):
 built by the engine, read by the model runner and the verifier; and what comes back of a step
-(``Verifying``), including a plain step queued before the one it follows was read (``QueuedStep``)."""
+(``Verifying``), and a step's queued work (``QueuedStep``), taken by a later call when launched ahead."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -87,18 +87,24 @@ class Verifying:
 
 @dataclass
 class QueuedStep:
-    """A plain step queued before the step it follows was read back (decoding.engine.Engine._launch_ahead), so the
-    device never waits for the host's bookkeeping: each row feeds the token the step before chose,
-    still on the device. Its rows' caches already hold that token; undone when it is not used."""
+    """A step's work queued on the device, and what its back half (the host's read, the commit) needs.
+    Launched ahead of the call that takes it (decoding.engine.Engine._launch_ahead, _speculate_ahead),
+    the device never waits for the host's bookkeeping; its rows' caches then already hold its tokens,
+    and it is undone for rows that are gone when it is taken."""
 
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # its decoding rows, in batch order
+    batch: DecodeBatch
     verifying: Verifying
     timer: StepTimer
-    generators: dict[int, torch.Tensor]  # id(seq) -> its generator's state before the step (sampled rows)
+    start: float  # perf_counter when its host work began (what a step costs is counted from here)
+    logits: torch.Tensor | None = None  # [B, W, V] kept for rows that read logprobs
+    generators: dict[int, torch.Tensor] = field(default_factory=dict)  # id(seq) -> state before it
 
     def undo(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             if s.runner.length > len(s.tokens) - 1:
                 s.runner.crop(len(s.tokens) - 1)
+            if s.drafter is not None:
+                s.drafter.rollback(len(s.tokens) - 1)
             if id(s) in self.generators:
                 s.generator.set_state(self.generators[id(s)])

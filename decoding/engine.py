@@ -50,7 +50,7 @@ class Engine:
         self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
         self.population: dict[tuple[str, str], Population] = {}  # per (target, drafter): acceptance
         self.overlap: bool | None = None  # queue plain steps ahead (None: where the device is CUDA)
-        self._ahead: dict[str, QueuedStep] = {}  # per target: the plain step queued by the last call
+        self._ahead: dict[str, QueuedStep] = {}  # per target: the step queued by the last call
         self.ahead_steps = 0  # steps queued ahead whose results were used (observability, tests)
         self._planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
 
@@ -93,15 +93,16 @@ class Engine:
         draft, verify and emit; prefilling rows take their next prompt chunk (within
         ``prefill_budget`` tokens in all, None: whole prompts) and emit None until done.
 
-        A step of plain rows only queues the next one before reading its own results back (the
-        rows' next tokens stay on the device), so the device runs steps back to back while the host
-        streams and schedules; the next call takes that step (``_take_ahead``)."""
+        Where the device runs asynchronously the next step is queued before this call returns, and
+        the next call takes it (``_take_ahead``): a plain step's before its rows are read back (its
+        rows' next tokens stay on the device, ``_launch_ahead``), any other once this one is
+        committed (``_speculate_ahead``); either way the device computes while the host streams and
+        schedules."""
         if not seqs:
             return []
-        entry = time.perf_counter()
         ahead = self._ahead.pop(seqs[0].target.name, None)
         if ahead is not None:
-            taken = self._take_ahead(ahead, seqs, entry)
+            taken = self._take_ahead(ahead, seqs)
             if taken is not None:
                 return taken
         decoding = [s for s in seqs if s.prefilled]
@@ -110,37 +111,15 @@ class Engine:
         if plain:
             self._planned.pop(seqs[0].target.name, None)
         ks = [0] * len(decoding) if plain else self._planned_ks(decoding)
-        # [shaping] grammar-forced tokens: free drafts
-        forced = [self._forced(s, 0 if plain else s.controller.k_max) for s in decoding]
-        items: list[ProposeItem] = [
-            (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
-            for s, k, f in zip(decoding, ks, forced, strict=True)
-        ]
-        timer = StepTimer(seqs[0].target.device)
-        catch_up_many(items)  # a one-off cost: kept out of the step's (StepTimer.lead)
-        timer.begin()
-        start = time.perf_counter()
-        proposals = propose_many(items)
-        proposals = [
-            self._shaped(s, f, p) if s.shaping is not None and s.shaping.constraint is not None else p
-            for s, f, p in zip(decoding, forced, proposals, strict=True)
-        ]  # [shaping] forced + drafted, cut at the first token the grammar rejects
-        timer.mark()
-        batch = DecodeBatch.build(
-            [s.tokens[-1] for s in decoding],
-            [p.tokens if p is not None else None for p in proposals],
-            seqs[0].target.device,
-        )
         t0 = time.perf_counter()
-        logits = self._forward(decoding, batch, chunks)  # [B, W, V]
-        verifying = self._verify(decoding, proposals, batch, logits)
-        timer.stop()
-        if len(decoding) == len(seqs) and max(batch.n_drafts, default=1) == 0:
-            self._launch_ahead(decoding, verifying, None, in_flight=1)
-        results = verifying.results()  # the step's one host sync
+        step = self._launch(seqs[0].target.device, decoding, ks, chunks, plain)
+        whole = len(decoding) == len(seqs)  # no prompt in this step, none waiting for the next
+        if whole and max(step.batch.n_drafts, default=1) == 0:
+            self._launch_ahead(decoding, step.verifying, None, in_flight=1)
+        results = step.verifying.results()  # the step's one host sync
         # a step that also prefilled is no sample of a decode step's cost
         timing: Timing = "none" if any(n for _, n in chunks) else "wall"
-        outs = self._commit_step(decoding, results, batch.n_drafts, logits, timer, start, timing)
+        outs = self._commit_step(step, decoding, results, timing)
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
@@ -151,30 +130,70 @@ class Engine:
                 s.controller.observe_prefill(len(s.tokens) - 1, s.prefill_cost)
                 s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
             outs[id(s)] = None
+        if whole:
+            self._speculate_ahead(decoding)
         return [outs.get(id(s)) for s in seqs]
+
+    def _launch(
+        self,
+        device: torch.device,
+        decoding: list[Sequence],
+        ks: list[int],
+        chunks: list[tuple[Sequence, int]],
+        plain: bool = False,
+        undoable: bool = False,
+    ) -> QueuedStep:
+        """A step's front half, all queued on the device: each decoding row's proposal (up to its k,
+        grammar-forced tokens free unless ``plain``), the target's pass with ``chunks`` beside them,
+        and verification. ``undoable``: the sampled rows' generator states are kept, for a step
+        launched ahead that is not taken."""
+        generators = {
+            id(s): s.generator.get_state() for s in decoding if undoable and not s.request.params.greedy
+        }
+        # [shaping] grammar-forced tokens: free drafts
+        forced = [self._forced(s, 0 if plain else s.controller.k_max) for s in decoding]
+        items: list[ProposeItem] = [
+            (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
+            for s, k, f in zip(decoding, ks, forced, strict=True)
+        ]
+        timer = StepTimer(device)
+        catch_up_many(items)  # a one-off cost: kept out of the step's (StepTimer.lead)
+        timer.begin()
+        start = time.perf_counter()
+        proposals = propose_many(items)
+        proposals = [
+            self._shaped(s, f, p) if s.shaping is not None and s.shaping.constraint is not None else p
+            for s, f, p in zip(decoding, forced, proposals, strict=True)
+        ]  # [shaping] forced + drafted, cut at the first token the grammar rejects
+        timer.mark()
+        batch = DecodeBatch.build(
+            [s.tokens[-1] for s in decoding], [p.tokens if p is not None else None for p in proposals], device
+        )
+        logits = self._forward(decoding, batch, chunks)  # [B, W, V]
+        verifying = self._verify(decoding, proposals, batch, logits)
+        timer.stop()
+        return QueuedStep(list(decoding), batch, verifying, timer, start, logits, generators)
 
     def _commit_step(
         self,
-        decoding: list[Sequence],
+        step: QueuedStep,
+        rows: list[Sequence],
         results: list[tuple[int, list[int]]],
-        n_drafts: list[int],
-        logits: torch.Tensor | None,
-        timer: StepTimer,
-        entry: float,
         timing: Timing = "wall",
     ) -> dict[int, StepOutput | None]:
-        """Every decoding row's outcome, and the step's costs for the controllers. The costs are the
-        step's wall time since ``entry``, host work included (it is what throughput pays; a
-        speculative step's ~2 ms of it at N = 4 on the H200 decides whether a k pays), less the
-        device time of a draft's catch-up it waited for (``timer.lead``), split between draft and
-        target as the device's events split them; ``timing`` "none": not a sample (acceptance
-        still counts)."""
-        if not decoding:
+        """The outcome of each of ``rows`` (``step``'s rows still running; ``results`` theirs), and
+        the step's costs for the controllers. The costs are the step's wall time since its host
+        work began, host work included (it is what throughput pays; a speculative step's ~2 ms of
+        it at N = 4 on the H200 decides whether a k pays), less the device time of a draft's
+        catch-up it waited for (``timer.lead``), split between draft and target as the device's
+        events split them; ``timing`` "none": not a sample (acceptance still counts)."""
+        if not rows:
             return {}
+        timer, n_drafts = step.timer, step.batch.n_drafts
         d_draft, d_target = timer.done()
-        wall = max(time.perf_counter() - entry - timer.lead(), d_draft + d_target)
-        W = 1 + max(n_drafts)
-        if W == 1 and self._overlaps(decoding[0]):
+        wall = max(time.perf_counter() - step.start - timer.lead(), d_draft + d_target)
+        W = step.batch.width
+        if W == 1 and self._overlaps(rows[0]):
             # plain steps queue back to back (_launch_ahead): the host's share is hidden, so what one
             # costs is its device time, also for a plain step between speculative ones
             wall = d_draft + d_target
@@ -182,20 +201,23 @@ class Engine:
         t_target = wall - t_draft
         timed = timing != "none"
         if timed:
-            self._costs(decoding[0]).observe(len(decoding), len(decoding) * W, W - 1, t_draft, t_target)
+            B = len(step.seqs)  # the rows the device ran, those that left since included
+            self._costs(rows[0]).observe(B, B * W, W - 1, t_draft, t_target)
         self.total_steps += 1
         passes = W - 1  # draft passes this step ran: rows draft in lockstep up to the longest
+        at = {id(s): b for b, s in enumerate(step.seqs)}
         outs: dict[int, StepOutput | None] = {}
-        for b, (s, (n, cand)) in enumerate(zip(decoding, results, strict=True)):
+        for s, (n, cand) in zip(rows, results, strict=True):
+            b = at[id(s)]
             kk = n_drafts[b]
             # a row's draft time is its kk passes' share: the others' longer proposals are not its cost
             share = t_draft * kk / passes if passes else 0.0
-            rows = logits[b, : kk + 1] if logits is not None else None
-            outs[id(s)] = self._commit(s, kk, n, cand, rows, share, t_target, timed)
+            logits = step.logits[b, : kk + 1] if step.logits is not None else None
+            outs[id(s)] = self._commit(s, kk, n, cand, logits, share, t_target, timed)
         return outs
 
     def _overlaps(self, seq: Sequence) -> bool:
-        """Whether plain steps are queued ahead: on by default where the device runs asynchronously
+        """Whether steps are queued ahead: on by default where the device runs asynchronously
         (CUDA); ``overlap`` forces it either way (tests run it on the CPU, where it only costs)."""
         return self.overlap if self.overlap is not None else seq.target.device.type == "cuda"
 
@@ -226,7 +248,8 @@ class Engine:
     ) -> None:
         """Queue the next plain step of ``rows`` (``verifying``'s rows, or those at ``pick``) behind
         the ``in_flight`` steps not yet read back. The rows' k for it are chosen now; when any is not
-        0 they are kept for that step, and nothing is queued."""
+        0 they are kept for that step, and nothing is queued (``_speculate_ahead`` queues it once
+        this step is committed)."""
         if not rows or not self._overlaps(rows[0]) or not all(self._chains(s, in_flight) for s in rows):
             return
         name = rows[0].target.name
@@ -242,15 +265,26 @@ class Engine:
         generators = {id(s): s.generator.get_state() for s in rows if not s.request.params.greedy}
         timer = StepTimer(rows[0].target.device)
         timer.mark()
+        start = time.perf_counter()
         logits = self._forward(rows, batch, [])
-        self._ahead[name] = QueuedStep(
-            list(rows), self._verify(rows, [None] * B, batch, logits), timer, generators
-        )
+        verifying = self._verify(rows, [None] * B, batch, logits)
+        self._ahead[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
         timer.stop()
 
-    def _take_ahead(
-        self, ahead: QueuedStep, seqs: list[Sequence], entry: float
-    ) -> list[StepOutput | None] | None:
+    def _speculate_ahead(self, rows: list[Sequence]) -> None:
+        """Queue the next step of ``rows`` (a committed step's, with no prompt waiting) now, rather
+        than at the next call, where nothing is queued yet: a step whose input the host had to
+        read first (speculative, or a row with a grammar, penalties or logprobs). Its proposals,
+        pass and verification then run while the host streams this step's tokens and schedules
+        the next; what it needs of the host (accepted tokens, counts, the grammar's state) is
+        committed by now. Undone where not taken (QueuedStep.undo)."""
+        live = [s for s in rows if s.finished is None]
+        if not live or not self._overlaps(live[0]) or live[0].target.name in self._ahead:
+            return
+        step = self._launch(live[0].target.device, live, self._planned_ks(live), [], undoable=True)
+        self._ahead[live[0].target.name] = step
+
+    def _take_ahead(self, ahead: QueuedStep, seqs: list[Sequence]) -> list[StepOutput | None] | None:
         """This call's step, queued by the last: its rows that are still here emit, the ones that left
         are undone, and rows new since (their prefill comes next step) emit None. None, and all
         undone, when no row of it is here."""
@@ -260,16 +294,17 @@ class Engine:
         if not kept:
             return None
         queued = {id(s) for s in ahead.seqs}
-        if all(id(s) in queued for s in seqs):  # no new rows: queue the next step before this one's read
+        whole = all(id(s) in queued for s in seqs)  # no new rows: the next step can be queued too
+        if whole and ahead.batch.width == 1:  # plain: queue the next before this one's read
             pos = {id(s): i for i, s in enumerate(ahead.seqs)}
             pick = None if len(kept) == len(ahead.seqs) else [pos[id(s)] for s in kept]
-            self._launch_ahead(kept, ahead.verifying, pick, in_flight=2)
+            self._launch_ahead(kept, ahead.verifying, pick, in_flight=1)
         results = ahead.verifying.results()
         self.ahead_steps += 1
         by_row = dict(zip((id(s) for s in ahead.seqs), results, strict=True))
-        outs = self._commit_step(
-            kept, [by_row[id(s)] for s in kept], [0] * len(kept), None, ahead.timer, entry
-        )
+        outs = self._commit_step(ahead, kept, [by_row[id(s)] for s in kept])
+        if whole:
+            self._speculate_ahead(kept)
         return [outs.get(id(s)) for s in seqs]
 
     @staticmethod

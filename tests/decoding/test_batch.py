@@ -314,9 +314,9 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
         had_chunks.append(any(n for _, n in out))
         return out
 
-    def spy_commit(self, decoding, results, n_drafts, logits, timer, entry, timing="wall"):  # type: ignore[no-untyped-def]
+    def spy_commit(self, step, rows, results, timing="wall"):  # type: ignore[no-untyped-def]
         timings.append(timing)
-        return commit(self, decoding, results, n_drafts, logits, timer, entry, timing)
+        return commit(self, step, rows, results, timing)
 
     monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
     monkeypatch.setattr(Engine, "_commit_step", spy_commit)

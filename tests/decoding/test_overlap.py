@@ -1,8 +1,9 @@
-"""Plain steps queued ahead (Engine.overlap: on by default on CUDA, forced here on the CPU, where it
-only costs): the step after a plain one is launched before the host reads that one back, from the
-tokens it chose on the device. Nothing a request sees may change: its output alone and in a batch,
-as rows join, finish (by length or a stop token) and abort while a step of theirs is queued, and a
-seeded request's draws."""
+"""Steps queued ahead (Engine.overlap: on by default on CUDA, forced here on the CPU, where it only
+costs): the step after a plain one is launched before the host reads that one back, from the tokens
+it chose on the device; any other step (speculative, a grammar, penalties, logprobs) is launched as
+soon as the one before is committed, before the call returns. Nothing a request sees may change: its
+output alone and in a batch, as rows join, finish (by length or a stop token) and abort while a step
+of theirs is queued, and a seeded request's draws."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def test_a_stop_token_ends_a_row_whose_next_step_is_queued(tiny_models):
 
 
 def test_mixed_plain_and_speculative_rows_with_overlap(tiny_models):
-    """Speculating rows are never queued ahead (their next input depends on what verification kept);
-    a batch that mixes them, and adaptive rows that turn speculation off, still match alone."""
+    """Speculating rows, and rows whose input the host must see first (logprobs, penalties), are
+    queued once their step is committed; a batch that mixes them with plain rows, and adaptive rows
+    that turn speculation off, still match alone, with steps of every kind taken ahead."""
     reqs = [
         request(tiny_models, PROMPTS[0], "off"),
         request(tiny_models, PROMPTS[4], "ngram", 4),
@@ -64,6 +66,67 @@ def test_mixed_plain_and_speculative_rows_with_overlap(tiny_models):
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     engine = overlapping(tiny_models)
     assert run_batch(engine, reqs, join_at=[0, 0, 2, 4, 5], budget=7) == expected
+    assert engine.ahead_steps > 0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("mode", ["draft", "ngram"])
+def test_speculative_steps_queued_ahead_change_nothing(tiny_models, mode, sampled, monkeypatch):
+    """A speculative step is launched as soon as the one before is committed (before the host
+    streams its tokens): greedy and seeded sampled outputs are what each request gives alone without
+    it, alone and in a batch whose rows join (their prefill waits a step) and leave, and the steps
+    taken were speculative ones."""
+    kw = dict(temperature=0.9, top_p=0.95, top_k=50) if sampled else {}
+    reqs = [
+        request(tiny_models, p, mode, 3, max_tokens=8 + 5 * i, seed=11 + i, **kw)
+        for i, p in enumerate(PROMPTS[:5])
+    ]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    engine = overlapping(tiny_models)
+    widths: list[int] = []
+    take = Engine._take_ahead
+
+    def spy(self, ahead, seqs):  # type: ignore[no-untyped-def]
+        widths.append(ahead.batch.width)
+        return take(self, ahead, seqs)
+
+    monkeypatch.setattr(Engine, "_take_ahead", spy)
+    assert {r.request_id: alone(engine, r) for r in reqs} == expected
+    assert run_batch(engine, reqs) == expected
+    assert run_batch(engine, reqs, join_at=[0, 2, 2, 5, 1], budget=6) == expected
+    assert max(widths) == 4, "no speculative step was queued ahead"
+
+
+def test_a_row_leaving_undoes_its_queued_speculative_step(tiny_models):
+    """A row that leaves (its stop token, or the driver dropping it) while its next speculative step
+    is queued: its caches are cut back to what it committed, so its slot and draft hold nothing of
+    the undone step, and the rows that stay go on unchanged."""
+    engine = overlapping(tiny_models)
+    reqs = [request(tiny_models, p, "draft", 3, max_tokens=20) for p in PROMPTS[:3]]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    seqs = [engine.start(r) for r in reqs]
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for _ in range(4):
+        for s, o in zip(seqs, engine.step_batch(seqs), strict=True):
+            if o is not None:
+                out[s.request.request_id] += o.token_ids
+    leaver = seqs.pop(1)
+    queued = engine._ahead[leaver.target.name]
+    assert leaver in queued.seqs and leaver.runner.length > len(leaver.tokens) - 1
+    while seqs:
+        outs = engine.step_batch(seqs)
+        assert leaver.runner.length == len(leaver.tokens) - 1
+        assert leaver.drafter.runner.length <= len(leaver.tokens) - 1
+        for s, o in zip(list(seqs), outs, strict=True):
+            if o is not None:
+                out[s.request.request_id] += o.token_ids
+                if o.finish_reason is not None:
+                    seqs.remove(s)
+                    s.release()
+    leaver.release()
+    for r in (reqs[0], reqs[2]):
+        assert out[r.request_id] == expected[r.request_id]
+    assert out[reqs[1].request_id] == expected[reqs[1].request_id][: len(out[reqs[1].request_id])]
 
 
 async def test_abort_while_a_step_is_queued_frees_the_slot(tiny_models):

@@ -1,0 +1,26 @@
+"""Device A/B: ``bench.gpu_batch`` with speculative steps queued ahead (the engine's default on CUDA,
+``Engine._speculate_ahead``) or without (``off``: each speculative step launched by the call that
+commits it, as before 2026-12-02).
+
+    python -m bench.ab_ahead on|off [bench.gpu_batch's arguments, e.g. --quick --ns 1,2,4 --out F]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from bench import gpu_batch
+from decoding.engine import Engine
+
+
+def main() -> None:
+    variant, rest = sys.argv[1], sys.argv[2:]
+    if variant not in ("on", "off"):
+        raise SystemExit(__doc__)
+    if variant == "off":
+        Engine._speculate_ahead = lambda self, rows: None  # type: ignore[method-assign]
+    gpu_batch.main(rest)
+
+
+if __name__ == "__main__":
+    main()
