@@ -3,9 +3,11 @@ Runs fast off (the replay's reference), then auto, timing every engine step and 
 ones with what they held: rows, drafted tokens, the draft's catch-up backlog, graphs captured during
 the step, and dynamo recompiles (logged by torch).
 
-    python -m bench.probe_auto_fast [exact] [N ...]   (default 16)
+    python -m bench.probe_auto_fast [exact] [nosync] [N ...]   (default 16)
 
 ``exact``: the same in exact mode (bench.gpu_batch's auto row), every prompt in one prefill step.
+``nosync``: no device sync around a step, so steps queued ahead overlap as they do in a server; a
+step's time is then the interval between two calls' returns (the step each returns).
 Each round prints where each request's output first parts from the replay's reference (past it, the
 replay's drafts are all rejected).
 """
@@ -31,7 +33,8 @@ from decoding.static import StaticModel
 def main() -> None:
     torch._logging.set_logs(recompiles=True)
     exact = "exact" in sys.argv[1:]
-    ns = [int(a) for a in sys.argv[1:] if a != "exact"] or [16]
+    nosync = "nosync" in sys.argv[1:]
+    ns = [int(a) for a in sys.argv[1:] if a not in ("exact", "nosync")] or [16]
     target, draft = build(TARGET, 0), build(DRAFT, 1)
     if exact:
         tm = StaticModel(target, EXACT_LEN, slots=max(ns) + 2, graphs=True, compile_step=True, exact=True)
@@ -41,10 +44,10 @@ def main() -> None:
     tm.warm()
     dm.warm()
     for N in ns:
-        probe(N, target, draft, tm, dm, exact)
+        probe(N, target, draft, tm, dm, exact, nosync)
 
 
-def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool) -> None:  # type: ignore[no-untyped-def]
+def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, nosync: bool = False) -> None:  # type: ignore[no-untyped-def]
     buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N))
     if exact:
         tm.capture(range(1, 2), buckets)
@@ -63,6 +66,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool) 
         return [GenerationRequest(f"{tag}{i}", "target", prompts[i].tolist(), params, spec) for i in range(N)]
 
     log: list[tuple[float, int, list[int], int, list]] = []  # type: ignore[type-arg]
+    returned: list[float] = []
     inner = Engine.step_batch
     choices: list[str] = []
     best_k = BatchCosts.best_k
@@ -82,14 +86,17 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool) 
         backlog = max(
             (len(s.tokens) - s.drafter.runner.length for s in seqs if s.drafter is not None), default=0
         )
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+        if not nosync:
+            torch.cuda.synchronize()
+        t = time.perf_counter() if not nosync or not returned else returned[-1]
         outs = inner(self, seqs, budget)
-        torch.cuda.synchronize()
+        if not nosync:
+            torch.cuda.synchronize()
+        returned.append(time.perf_counter())
         drafted = [o.drafted for o in outs if o is not None]
         log.append(
             (
-                time.perf_counter() - t,
+                returned[-1] - t,
                 len(seqs),
                 drafted,
                 backlog,
@@ -117,6 +124,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool) 
             BatchCosts.best_k = logged  # type: ignore[method-assign]
             log.clear()
             choices.clear()
+            returned.clear()
             if exact:
                 ae.max_active = 0
             t0 = time.perf_counter()
@@ -146,6 +154,12 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool) 
             print(
                 f"   k={k}: {len(ts)} steps, mean {1e3 * sum(ts) / len(ts):.1f} ms, max {1e3 * max(ts):.1f} ms"
             )
+        print(
+            "   ms by step (k, draft backlog where drafting):",
+            " ".join(
+                f"{1e3 * dt:.1f}" + (f"[k{max(d)},b{b}]" if d and max(d) else "") for dt, _, d, b, _ in log
+            ),
+        )
         for i, (dt, n, drafted, backlog, captured) in enumerate(log):
             if dt > 0.02:
                 print(
