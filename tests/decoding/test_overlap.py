@@ -129,9 +129,12 @@ def test_a_row_leaving_undoes_its_queued_speculative_step(tiny_models):
     assert out[reqs[1].request_id] == expected[reqs[1].request_id][: len(out[reqs[1].request_id])]
 
 
-async def test_abort_while_a_step_is_queued_frees_the_slot(tiny_models):
+@pytest.mark.parametrize("mode", ["off", "draft"])
+async def test_abort_while_a_step_is_queued_frees_the_slot(tiny_models, mode):
+    """An abort while the leaver's next step (plain, or speculative) is queued: every KV slot comes
+    back and the others' outputs are theirs alone."""
     engine = overlapping(tiny_models)
-    reqs = [request(tiny_models, p, max_tokens=30) for p in PROMPTS[:4]]
+    reqs = [request(tiny_models, p, mode, 3, max_tokens=30) for p in PROMPTS[:4]]
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     ae = AsyncEngine(engine, max_active=8)
     try:
