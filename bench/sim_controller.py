@@ -24,7 +24,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from decoding.controller import SpecController
+from decoding.controller import BatchCosts, SpecController, expected_tokens
 from decoding.drafters import DraftModelDrafter
 from decoding.engine import Engine
 from decoding.params import RequestStats, SamplingParams
@@ -152,13 +152,20 @@ def simulate(
         t_draft = sum(_interp(H200_DRAFT, sum(k > j for k in ks)) for j in range(K))
         t_draft += LAUNCH_S if K else 0.0
         t_target = _interp(H200_TARGET_EXACT, B) + (0.0 if K else LAUNCH_S)
-        engine._costs(seqs[0]).observe(B, B * (K + 1), K, t_draft, t_target)  # type: ignore[arg-type]
-        step = HOST_S + t_catch + t_draft + t_target
-        clock += step
+        ns = []
         for s, k in zip(seqs, ks, strict=True):
             n = 0
             while n < k and s.keep[s.completion_tokens + n]:
                 n += 1
+            ns.append(n)
+        costs = engine._costs(seqs[0])  # type: ignore[arg-type]
+        if K:  # the engine's wall time of a speculative step: its host work, less the catch-up
+            expected = sum(expected_tokens(s.controller.acceptance, k) for s, k in zip(seqs, ks, strict=True))
+            costs.observe_goodput(B, K, True, expected, sum(n + 1 for n in ns), HOST_S + t_draft + t_target)
+        costs.observe(B, B * (K + 1), K, t_draft, t_target)
+        step = HOST_S + t_catch + t_draft + t_target
+        clock += step
+        for s, k, n in zip(seqs, ks, ns, strict=True):
             s.controller.observe(k, n, t_draft * k / K if k else 0.0, t_target)
             if s.drafter is not None:
                 engine._population(s).observe(k, n)  # type: ignore[arg-type]
@@ -187,7 +194,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=32, help="runs per point at N = 1 (fewer at larger N)")
     ap.add_argument("--collapse", type=float, default=0.0, help="mean position where acceptance ends")
     ap.add_argument("--history", action="store_true", help="runs at one N share an engine")
+    ap.add_argument(
+        "--no-realised", action="store_true", help="best_k without its discount by realised goodput"
+    )
     args = ap.parse_args()
+    if args.no_realised:
+        BatchCosts.observe_goodput = lambda self, *a: None  # type: ignore[method-assign]
     print(
         f"acceptance {args.a}, collapse {args.collapse or 'never'}, history {args.history}:"
         " aggregate tok/s (cost model of the H200 run, exact mode)"

@@ -264,6 +264,17 @@ class BatchCosts:
     steps: int = 0
     backoff: int = 1  # the period's multiplier: doubles while probes find speculation still not paying
     max_backoff: int = 8
+    # What speculative steps realised against what best_k predicted for them: decayed sums of tokens
+    # emitted, tokens expected (the rows' acceptance estimates), seconds taken and seconds the tables
+    # gave (``observe_goodput``). Their ratio below 1 means the model is optimistic: acceptance
+    # estimates that lag a text the draft stopped following, costs the tables miss; best_k then
+    # discounts speculation by it (never raises it). Sums, not an average of per-step ratios, whose
+    # noise (a step gives 1 token or k + 1) would dip below 1 half the time; counted once they hold
+    # ``realised_min`` steps' weight, and faded by plain steps, so an old workload stops counting.
+    realised_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    realised_decay: float = 0.9  # per speculative step
+    realised_fade: float = 0.97  # per plain step
+    realised_min: float = 3.0
 
     def probe_turn(self) -> bool:
         """True once every ``probe_period`` x ``backoff`` batched steps: a step that may probe."""
@@ -274,6 +285,7 @@ class BatchCosts:
         """One decode step of ``batch`` rows and ``rows`` target rows in all (a step that prefilled
         too is no sample of either and is not observed)."""
         if k == 0:
+            self.realised_sums = [x * self.realised_fade for x in self.realised_sums]
             b = _pow2_bucket(batch)
             self.plain[b] = _ema(self.plain.get(b), t_target)
             self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
@@ -283,6 +295,31 @@ class BatchCosts:
         if t_draft > 0:
             d = _pow2_bucket(batch)
             self.draft[d] = _ema(self.draft.get(d), t_draft / k)
+
+    def observe_goodput(
+        self, batch: int, k: int, model: bool, expected: float, tokens: int, seconds: float
+    ) -> None:
+        """A speculative step of ``batch`` rows drafting up to ``k``: ``tokens`` emitted in ``seconds``,
+        against ``expected`` tokens (the rows' acceptance estimates before it) in the time the tables
+        give it. Call before the step's own ``observe``."""
+        t = self.t_target(batch * (k + 1)) or self.t_plain(batch)
+        if t is None or k == 0 or expected <= 0 or seconds <= 0:
+            return
+        if model:
+            t += k * (self.t_draft(batch) or 0.0)
+        d = self.realised_decay
+        self.realised_sums = [
+            d * x + y
+            for x, y in zip(self.realised_sums, (tokens / expected, 1.0, seconds / t, 1.0), strict=True)
+        ]
+
+    @property
+    def realised(self) -> float | None:
+        """Realised over predicted tokens per second (None: too few steps to say)."""
+        got, n_got, took, n_took = self.realised_sums
+        if n_got < self.realised_min:
+            return None
+        return (got / n_got) / (took / n_took)
 
     def t_plain(self, batch: int) -> float | None:
         return _lookup(self.plain, batch) or _lookup(self.target, batch)
@@ -315,18 +352,20 @@ class BatchCosts:
         t_draft = self.t_draft(B)
         if t_draft is None:
             t_draft = draft_cost_prior * t_plain
-        best_k, best_rate = 0, B / t_plain
+        discount = min(1.0, self.realised) if self.realised is not None else 1.0
+        best_k, best_rate, modelled = 0, B / t_plain, 0.0
         for k in range(1, k_max + 1):
             t = (self.t_target(B * (k + 1)) or t_plain) + (k * t_draft if model else 0.0)
             rate = sum(expected_tokens(a, min(k, cap)) for a, _, cap in rows) / t
-            if rate > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted rows
-                best_k, best_rate = k, rate
+            if rate * discount > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted rows
+                best_k, best_rate, modelled = k, rate * discount, rate
         if best_k > 0:
             self.backoff = 1
             # ... judged once the plain cost has two samples: a first one may be cold (a graph
-            # captured, a cache warming) and make any speculation look clearly better
+            # captured, a cache warming) and make any speculation look clearly better; by the
+            # model's own rate (the discount decides whether to speculate, not how often to check)
             trusted = self.plain_samples.get(_pow2_bucket(B), 0) >= 2
-            clear = trusted and best_rate * t_plain >= self.remeasure_margin * B
+            clear = trusted and modelled * t_plain >= self.remeasure_margin * B
             period = self.remeasure_every * (self.remeasure_slack if clear else 1)
             if self.steps and self.steps % period == 0:
                 return 0

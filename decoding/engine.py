@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from decoding import admission
 from decoding.batch import DecodeBatch, QueuedStep, Verifying
-from decoding.controller import BatchCosts, Population
+from decoding.controller import BatchCosts, Population, expected_tokens
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
@@ -200,12 +200,17 @@ class Engine:
         t_draft = wall * d_draft / (d_draft + d_target) if d_draft + d_target > 0 else 0.0
         t_target = wall - t_draft
         timed = timing != "none"
+        at = {id(s): b for b, s in enumerate(step.seqs)}
         if timed:
             B = len(step.seqs)  # the rows the device ran, those that left since included
-            self._costs(rows[0]).observe(B, B * W, W - 1, t_draft, t_target)
+            costs = self._costs(rows[0])
+            if W > 1 and len(rows) == B:  # what it gave against what the model expected of it
+                expected = sum(expected_tokens(s.controller.acceptance, n_drafts[at[id(s)]]) for s in rows)
+                model = any(isinstance(s.drafter, DraftModelDrafter) for s in rows)
+                costs.observe_goodput(B, W - 1, model, expected, sum(n + 1 for n, _ in results), wall)
+            costs.observe(B, B * W, W - 1, t_draft, t_target)
         self.total_steps += 1
         passes = W - 1  # draft passes this step ran: rows draft in lockstep up to the longest
-        at = {id(s): b for b, s in enumerate(step.seqs)}
         outs: dict[int, StepOutput | None] = {}
         for s, (n, cand) in zip(rows, results, strict=True):
             b = at[id(s)]

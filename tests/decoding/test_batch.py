@@ -463,3 +463,56 @@ def test_a_new_request_starts_from_the_acceptance_of_the_ones_before(tiny_models
     plain = engine.start(request(tiny_models, "x"))  # no drafter: no prior to take
     plain.release()
     assert len(engine.population) == 1
+
+
+def test_batch_costs_discount_speculation_by_what_it_realised():
+    """Speculative steps that give fewer tokens per second than the model promised (estimates that
+    lag a text the draft stopped following, costs the tables miss) discount the next choice: a k that
+    pays on paper by 11% is not taken once steps realise 81% of their promise, one that pays 1.48x
+    still is; plain steps fade the evidence, and steps that deliver more than promised change nothing."""
+    from decoding.controller import BatchCosts
+
+    def tables() -> BatchCosts:
+        costs = BatchCosts()
+        for _ in range(3):
+            costs.observe(4, 4, 0, 0.0, 0.005)
+        costs.observe(4, 8, 1, 0.0015, 0.0055)  # k = 1: 7 ms for 1 + a tokens a row, against 5 ms for 1
+        costs.observe(4, 16, 3, 0.0045, 0.0055)
+        return costs
+
+    marginal, paying = [(0.55, True, 1)] * 4, [(0.8, True, 4)] * 4
+    fresh = tables()
+    assert fresh.realised is None
+    assert fresh.best_k(marginal, 0.1, probe=False) == 1
+
+    let_down = tables()
+    for _ in range(4):  # each step: 1.55 x 4 tokens expected, 5 given, in the 7 ms the tables say
+        let_down.observe_goodput(4, 1, True, 4 * 1.55, 5, 0.007)
+    assert let_down.realised == pytest.approx(5 / 6.2)
+    assert let_down.best_k(marginal, 0.1, probe=False) == 0
+    assert let_down.best_k(paying, 0.1, probe=False) >= 3
+    for _ in range(40):
+        let_down.observe(4, 4, 0, 0.0, 0.005)
+    assert let_down.realised is None  # faded below the weight of evidence it needs
+
+    kept = tables()
+    for _ in range(4):
+        kept.observe_goodput(4, 1, True, 4 * 1.55, 7, 0.007)
+    assert kept.realised is not None and kept.realised > 1
+    assert kept.best_k(marginal, 0.1, probe=False) == 1
+
+
+def test_the_engine_reports_what_speculative_steps_realised(tiny_models):
+    """A batch that speculates feeds its steps' realised goodput to the target's BatchCosts: with
+    the tiny target drafting for itself every draft is accepted, so steps give at least the tokens
+    the rows' acceptance estimates promised."""
+    import dataclasses
+
+    engine = Engine(tiny_models)
+    reqs = [
+        dataclasses.replace(request(tiny_models, p, "draft", 3, max_tokens=24), model="tiny-self")
+        for p in PROMPTS[:4]
+    ]
+    run_batch(engine, reqs)
+    got, n_got, _, _ = engine.costs["tiny-self"].realised_sums
+    assert n_got > 0 and got / n_got >= 1.0
