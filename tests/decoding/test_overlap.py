@@ -142,3 +142,25 @@ async def test_abort_while_a_step_is_queued_frees_the_slot(tiny_models, mode):
     finally:
         ae.shutdown()
     assert engine.ahead_steps > 0
+
+
+def test_grammar_rows_queued_ahead_match_alone(tiny_models):
+    """Rows under a grammar are queued once their step is committed (the matcher has taken the
+    accepted tokens by then): forced tokens, drafts cut at the first the grammar rejects, masked
+    verification and the grammar's own end are what each request gives alone without it."""
+    import dataclasses
+    import json
+
+    from decoding.params import GrammarSpec
+    from tests.decoding.test_constraints import SCHEMAS
+    from tests.decoding.test_constraints import request as shaped
+
+    grammar = GrammarSpec("json_schema", json.dumps(SCHEMAS[1]))
+    reqs = [
+        dataclasses.replace(shaped(tiny_models, prompt, mode, grammar, max_tokens=60), request_id=f"g{i}")
+        for i, (prompt, mode) in enumerate((("hello", "draft"), ("{ json please ü", "ngram"), ("x", "off")))
+    ]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    engine = overlapping(tiny_models)
+    assert run_batch(engine, reqs) == expected
+    assert engine.ahead_steps > 0
