@@ -9,6 +9,7 @@ All three times are measured on this request as it runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 EMA = 0.3  # weight of the newest observation
 
@@ -390,3 +391,48 @@ def _lookup(table: dict[int, float], n: int) -> float | None:
         lo, hi = lower[-1], upper[0]
         return table[lo] + (b - lo) / (hi - lo) * (table[hi] - table[lo])
     return table[lower[-1]] if lower else table[upper[0]]
+
+
+class KRow(NamedTuple):
+    """What the choice of k reads of a decoding row."""
+
+    controller: SpecController | None  # None: the row has no drafter
+    model: bool  # it drafts with a model (whose passes cost; prompt lookup's do not)
+    emitted: int  # tokens it has emitted, those of steps not yet read back included
+    left: int  # tokens it may still emit before max_tokens, the same counted
+
+
+def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
+    """Each row's k for one step, never past its max_tokens. Alone: its own controller's choice. In a
+    batch: one k for every adaptive row, the one that pays for the batch as a whole
+    (``BatchCosts.best_k``, which ``costs`` measures for the rows' target); rows with a fixed k keep
+    it. A row drafting with a model drafts nothing in the step that gives its first token: that token
+    does not wait for its draft to take in the prompt (as a request alone, whose first step is plain),
+    and the draft catches up when it first drafts."""
+    batched = len(rows) >= 2
+    adaptive = [
+        batched and r.controller is not None and r.controller.speculate and r.controller.adaptive
+        for r in rows
+    ]
+    first = [on and r.model and r.emitted == 0 for r, on in zip(rows, adaptive, strict=True)]
+    shared = [
+        r.controller for r, on, f in zip(rows, adaptive, first, strict=True) if on and not f and r.controller
+    ]
+    k_shared = 0
+    if shared:
+        models = [r.model for r, on, f in zip(rows, adaptive, first, strict=True) if on and not f]
+        k_shared = costs.best_k(
+            [(c.acceptance, m, c.k_max) for c, m in zip(shared, models, strict=True)],
+            max(c.draft_cost_prior for c in shared),
+            probe=costs.probe_turn(),
+        )
+    ks = []
+    for r, on, f in zip(rows, adaptive, first, strict=True):
+        if r.controller is None or f:
+            k = 0
+        elif on:
+            k = min(k_shared, r.controller.k_max)
+        else:
+            k = r.controller.choose_k()
+        ks.append(max(0, min(k, r.left - 1)))
+    return ks

@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from decoding import admission
 from decoding.batch import DecodeBatch, QueuedStep, Verifying
-from decoding.controller import BatchCosts, Population, expected_tokens
+from decoding.controller import BatchCosts, KRow, Population, choose_ks, expected_tokens
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
@@ -406,47 +406,20 @@ class Engine:
         return pop
 
     def _choose_ks(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
-        """Each row's k, never past max_tokens (``pending``: tokens of steps not yet read back).
-        Alone: its own controller's choice. In a batch: one k for every adaptive row, the one that
-        pays for the batch as a whole (BatchCosts.best_k); rows with a fixed k keep it."""
+        """Each row's k for the next step (``pending``: tokens of steps not yet read back), by
+        ``controller.choose_ks``."""
         if not decoding:
             return []
-        batched = len(decoding) >= 2
-        shared = [
-            batched and s.drafter is not None and s.controller.speculate and s.controller.adaptive
+        rows = [
+            KRow(
+                s.controller if s.drafter is not None else None,
+                isinstance(s.drafter, DraftModelDrafter),
+                s.completion_tokens + pending,
+                s.request.params.max_tokens - s.completion_tokens - pending,
+            )
             for s in decoding
         ]
-        # a row's first token does not wait for its draft model to take in the prompt: the step that
-        # gives it is plain for that row (as the first step of a request alone is), and its draft
-        # catches up when it first drafts
-        first = [
-            on and isinstance(s.drafter, DraftModelDrafter) and s.completion_tokens + pending == 0
-            for s, on in zip(decoding, shared, strict=True)
-        ]
-        shared = [on and not f for on, f in zip(shared, first, strict=True)]
-        k_shared = 0
-        if any(shared):
-            costs = self._costs(decoding[0])
-            adaptive = [s for s, on in zip(decoding, shared, strict=True) if on]
-            k_shared = costs.best_k(
-                [
-                    (s.controller.acceptance, isinstance(s.drafter, DraftModelDrafter), s.controller.k_max)
-                    for s in adaptive
-                ],
-                max(s.controller.draft_cost_prior for s in adaptive),
-                probe=costs.probe_turn(),
-            )
-        ks = []
-        for s, on, f in zip(decoding, shared, first, strict=True):
-            if s.drafter is None or f:
-                k = 0
-            elif on:
-                k = min(k_shared, s.controller.k_max)
-            else:
-                k = s.controller.choose_k()
-            remaining = s.request.params.max_tokens - s.completion_tokens - pending
-            ks.append(max(0, min(k, remaining - 1)))
-        return ks
+        return choose_ks(rows, self._costs(decoding[0]))
 
     def _verify(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from decoding.controller import BatchCosts, Population, SpecController, expected_tokens
+from decoding.controller import BatchCosts, KRow, Population, SpecController, choose_ks, expected_tokens
 
 
 def drive(c: SpecController, steps: int, accept_all: bool, t_draft: float, t_target: float) -> list[int]:
@@ -217,3 +217,31 @@ def test_a_low_population_prior_keeps_a_batch_from_speculating_until_a_probe():
         rows.append((c.acceptance, True, 8))
     assert costs.best_k(rows, 0.07, probe=False) == 0
     assert costs.best_k(rows, 0.07, probe=True) == 2  # probe turns still measure
+
+
+def test_choose_ks_shares_one_k_and_keeps_each_rows_limits():
+    """In a batch the adaptive rows share the k BatchCosts finds paying; a fixed-k row keeps its k, a
+    row without a drafter and a model-drafting row's first token draft nothing, prompt lookup drafts
+    from its first token, and no row drafts past its max_tokens (one token left: plain)."""
+    costs = BatchCosts()
+    for _ in range(3):
+        costs.observe(5, 5, 0, 0.0, 0.005)
+    costs.observe(5, 20, 3, 0.003, 0.0052)  # verification about a plain step, a cheap draft
+
+    def adaptive() -> SpecController:
+        c = SpecController(k_max=6, adaptive=True, speculate=True)
+        c.accepted_w, c.rejected_w = 9.0, 1.0  # a = 0.9
+        return c
+
+    rows = [
+        KRow(adaptive(), True, 10, 100),
+        KRow(adaptive(), False, 0, 100),  # prompt lookup, first token
+        KRow(SpecController(k_max=2, adaptive=False, speculate=True), True, 10, 100),
+        KRow(None, False, 10, 100),
+        KRow(adaptive(), True, 0, 100),  # a draft model's first token
+    ]
+    ks = choose_ks(rows, costs)
+    assert ks[0] >= 3 and ks[1] == ks[0]
+    assert ks[2:] == [2, 0, 0]
+    near_end = choose_ks([r._replace(left=1) for r in rows[:3]] + [rows[0]._replace(left=3)], costs)
+    assert near_end[:3] == [0, 0, 0] and near_end[3] == 2
