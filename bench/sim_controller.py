@@ -1,6 +1,7 @@
 """The speculation controller in a batch, against a cost model instead of a GPU: the engine's own
-choice of k (``Engine._choose_ks``: per-request SpecControllers alone, the batch's BatchCosts from two
-rows) driven with step times from a table of measured graph replays, as the engine would measure them.
+choice of k (``Engine._choose_ks``, ``controller.choose_ks``: per-request SpecControllers alone, the
+batch's BatchCosts from two rows) driven with step times from a table of measured graph replays, as
+the engine would measure them.
 
     python -m bench.sim_controller [--a 0.8] [--seeds 32]
 
