@@ -49,7 +49,7 @@ class Engine:
         self.total_steps = 0  # target forward passes, all requests (observability, tests)
         self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
         self.population: dict[tuple[str, str], Population] = {}  # per (target, drafter): acceptance
-        self.overlap: bool | None = None  # queue plain steps ahead (None: where the device is CUDA)
+        self.overlap: bool | None = None  # queue steps ahead (None: where the device is CUDA)
         self._ahead: dict[str, QueuedStep] = {}  # per target: the step queued by the last call
         self.ahead_steps = 0  # steps queued ahead whose results were used (observability, tests)
         self._planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
