@@ -81,7 +81,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
         )
         return k
 
-    def timed(self, seqs, budget=None):  # type: ignore[no-untyped-def]
+    def timed(self, seqs, budget=None, joining=False):  # type: ignore[no-untyped-def]
         g0 = {("t", *k) for k in tm._graphs} | {("d", *k) for k in dm._graphs}
         backlog = max(
             (len(s.tokens) - s.drafter.runner.length for s in seqs if s.drafter is not None), default=0
@@ -89,7 +89,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
         if not nosync:
             torch.cuda.synchronize()
         t = time.perf_counter() if not nosync or not returned else returned[-1]
-        outs = inner(self, seqs, budget)
+        outs = inner(self, seqs, budget, joining)
         if not nosync:
             torch.cuda.synchronize()
         returned.append(time.perf_counter())

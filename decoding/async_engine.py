@@ -218,11 +218,13 @@ class AsyncEngine:
         by_model: dict[str, list[_Pending]] = {}
         for pending, seq in self._active.items():
             by_model.setdefault(seq.target.name, []).append(pending)
+        # requests that will be admitted before the next step: no step is queued ahead of it
+        joining = bool(self._inbox) and len(self._active) < self.max_active
         for group in by_model.values():
             seqs = [self._active[p] for p in group]
             self.last_batch = len(seqs)
             try:
-                outs = self.engine.step_batch(seqs, self.prefill_budget)
+                outs = self.engine.step_batch(seqs, self.prefill_budget, joining)
             except Exception as exc:
                 log.exception("a step of %d requests failed", len(seqs))
                 for p, seq in zip(group, seqs, strict=True):

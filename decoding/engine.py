@@ -88,7 +88,9 @@ class Engine:
                 return out
 
     @torch.inference_mode()
-    def step_batch(self, seqs: list[Sequence], prefill_budget: int | None = None) -> list[StepOutput | None]:
+    def step_batch(
+        self, seqs: list[Sequence], prefill_budget: int | None = None, joining: bool = False
+    ) -> list[StepOutput | None]:
         """One forward pass of the target over ``seqs`` (all of one target model): decoding rows
         draft, verify and emit; prefilling rows take their next prompt chunk (within
         ``prefill_budget`` tokens in all, None: whole prompts) and emit None until done.
@@ -97,12 +99,13 @@ class Engine:
         the next call takes it (``_take_ahead``): a plain step's before its rows are read back (its
         rows' next tokens stay on the device, ``_launch_ahead``), any other once this one is
         committed (``_speculate_ahead``); either way the device computes while the host streams and
-        schedules."""
+        schedules. ``joining``: requests wait to join the batch at the next call, so nothing is
+        queued (a queued step would hold their prefill back a step)."""
         if not seqs:
             return []
         ahead = self._ahead.pop(seqs[0].target.name, None)
         if ahead is not None:
-            taken = self._take_ahead(ahead, seqs)
+            taken = self._take_ahead(ahead, seqs, joining)
             if taken is not None:
                 return taken
         decoding = [s for s in seqs if s.prefilled]
@@ -113,7 +116,7 @@ class Engine:
         ks = [0] * len(decoding) if plain else self._planned_ks(decoding)
         t0 = time.perf_counter()
         step = self._launch(seqs[0].target.device, decoding, ks, chunks, plain)
-        whole = len(decoding) == len(seqs)  # no prompt in this step, none waiting for the next
+        whole = len(decoding) == len(seqs) and not joining  # no prompt in this step or the next
         if whole and max(step.batch.n_drafts, default=1) == 0:
             self._launch_ahead(decoding, step.verifying, None, in_flight=1)
         results = step.verifying.results()  # the step's one host sync
@@ -292,7 +295,9 @@ class Engine:
         step = self._launch(live[0].target.device, live, self._planned_ks(live), [], undoable=True)
         self._ahead[live[0].target.name] = step
 
-    def _take_ahead(self, ahead: QueuedStep, seqs: list[Sequence]) -> list[StepOutput | None] | None:
+    def _take_ahead(
+        self, ahead: QueuedStep, seqs: list[Sequence], joining: bool = False
+    ) -> list[StepOutput | None] | None:
         """This call's step, queued by the last: its rows that are still here emit, the ones that left
         are undone, and rows new since (their prefill comes next step) emit None. None, and all
         undone, when no row of it is here."""
@@ -302,7 +307,8 @@ class Engine:
         if not kept:
             return None
         queued = {id(s) for s in ahead.seqs}
-        whole = all(id(s) in queued for s in seqs)  # no new rows: the next step can be queued too
+        # no new rows, none about to join: the next step can be queued too
+        whole = all(id(s) in queued for s in seqs) and not joining
         if whole and ahead.batch.width == 1:  # plain: queue the next before this one's read
             pos = {id(s): i for i, s in enumerate(ahead.seqs)}
             pick = None if len(kept) == len(ahead.seqs) else [pos[id(s)] for s in kept]

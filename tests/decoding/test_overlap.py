@@ -86,9 +86,9 @@ def test_speculative_steps_queued_ahead_change_nothing(tiny_models, mode, sample
     widths: list[int] = []
     take = Engine._take_ahead
 
-    def spy(self, ahead, seqs):  # type: ignore[no-untyped-def]
+    def spy(self, ahead, seqs, joining=False):  # type: ignore[no-untyped-def]
         widths.append(ahead.batch.width)
-        return take(self, ahead, seqs)
+        return take(self, ahead, seqs, joining)
 
     monkeypatch.setattr(Engine, "_take_ahead", spy)
     assert {r.request_id: alone(engine, r) for r in reqs} == expected
@@ -164,3 +164,36 @@ def test_grammar_rows_queued_ahead_match_alone(tiny_models):
     engine = overlapping(tiny_models)
     assert run_batch(engine, reqs) == expected
     assert engine.ahead_steps > 0
+
+
+def test_no_step_is_queued_while_requests_wait_to_join(tiny_models):
+    """A step told that requests wait to join (AsyncEngine: some queued, a place free) queues nothing
+    ahead, so a joiner's prompt goes in at the next step rather than the one after; the rows already
+    running give what they give alone."""
+    engine = overlapping(tiny_models)
+    reqs = [request(tiny_models, p, "draft", 3, max_tokens=12) for p in PROMPTS[:2]]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    seqs = [engine.start(r) for r in reqs]
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+
+    def step(rows, joining=False):  # type: ignore[no-untyped-def]
+        for s, o in zip(list(rows), engine.step_batch(rows, joining=joining), strict=True):
+            if o is not None:
+                out.setdefault(s.request.request_id, []).extend(o.token_ids)
+                if o.finish_reason is not None:
+                    rows.remove(s)
+                    s.release()
+
+    step(seqs)  # the prompts
+    step(seqs)
+    assert seqs[0].target.name in engine._ahead
+    step(seqs, joining=True)  # takes the queued step and queues none
+    assert not engine._ahead
+    late = engine.start(request(tiny_models, PROMPTS[2], max_tokens=4))
+    seqs.append(late)
+    step(seqs)
+    assert late.prefilled, "the joiner's prompt waited behind a queued step"
+    while seqs:
+        step(seqs)
+    for r in reqs:
+        assert out[r.request_id] == expected[r.request_id]
