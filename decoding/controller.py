@@ -353,7 +353,8 @@ class BatchCosts:
         t_draft = self.t_draft(B)
         if t_draft is None:
             t_draft = draft_cost_prior * t_plain
-        discount = min(1.0, self.realised) if self.realised is not None else 1.0
+        realised = self.realised
+        discount = min(1.0, realised) if realised is not None else 1.0
         best_k, best_rate, modelled = 0, B / t_plain, 0.0
         for k in range(1, k_max + 1):
             t = (self.t_target(B * (k + 1)) or t_plain) + (k * t_draft if model else 0.0)
@@ -396,7 +397,8 @@ def _lookup(table: dict[int, float], n: int) -> float | None:
 class KRow(NamedTuple):
     """What the choice of k reads of a decoding row."""
 
-    controller: SpecController | None  # None: the row has no drafter
+    controller: SpecController
+    drafts: bool  # the row has a drafter
     model: bool  # it drafts with a model (whose passes cost; prompt lookup's do not)
     emitted: int  # tokens it has emitted, those of steps not yet read back included
     left: int  # tokens it may still emit before max_tokens, the same counted
@@ -410,25 +412,19 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     does not wait for its draft to take in the prompt (as a request alone, whose first step is plain),
     and the draft catches up when it first drafts."""
     batched = len(rows) >= 2
-    adaptive = [
-        batched and r.controller is not None and r.controller.speculate and r.controller.adaptive
-        for r in rows
-    ]
-    first = [on and r.model and r.emitted == 0 for r, on in zip(rows, adaptive, strict=True)]
-    shared = [
-        r.controller for r, on, f in zip(rows, adaptive, first, strict=True) if on and not f and r.controller
-    ]
+    shared = [batched and r.drafts and r.controller.speculate and r.controller.adaptive for r in rows]
+    first = [on and r.model and r.emitted == 0 for r, on in zip(rows, shared, strict=True)]
+    sharing = [r for r, on, f in zip(rows, shared, first, strict=True) if on and not f]
     k_shared = 0
-    if shared:
-        models = [r.model for r, on, f in zip(rows, adaptive, first, strict=True) if on and not f]
+    if sharing:
         k_shared = costs.best_k(
-            [(c.acceptance, m, c.k_max) for c, m in zip(shared, models, strict=True)],
-            max(c.draft_cost_prior for c in shared),
+            [(r.controller.acceptance, r.model, r.controller.k_max) for r in sharing],
+            max(r.controller.draft_cost_prior for r in sharing),
             probe=costs.probe_turn(),
         )
     ks = []
-    for r, on, f in zip(rows, adaptive, first, strict=True):
-        if r.controller is None or f:
+    for r, on, f in zip(rows, shared, first, strict=True):
+        if not r.drafts or f:
             k = 0
         elif on:
             k = min(k_shared, r.controller.k_max)

@@ -421,7 +421,8 @@ class Engine:
             return []
         rows = [
             KRow(
-                s.controller if s.drafter is not None else None,
+                s.controller,
+                s.drafter is not None,
                 isinstance(s.drafter, DraftModelDrafter),
                 s.completion_tokens + pending,
                 s.request.params.max_tokens - s.completion_tokens - pending,

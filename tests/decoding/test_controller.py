@@ -234,11 +234,11 @@ def test_choose_ks_shares_one_k_and_keeps_each_rows_limits():
         return c
 
     rows = [
-        KRow(adaptive(), True, 10, 100),
-        KRow(adaptive(), False, 0, 100),  # prompt lookup, first token
-        KRow(SpecController(k_max=2, adaptive=False, speculate=True), True, 10, 100),
-        KRow(None, False, 10, 100),
-        KRow(adaptive(), True, 0, 100),  # a draft model's first token
+        KRow(adaptive(), True, True, 10, 100),
+        KRow(adaptive(), True, False, 0, 100),  # prompt lookup, first token
+        KRow(SpecController(k_max=2, adaptive=False, speculate=True), True, True, 10, 100),
+        KRow(adaptive(), False, False, 10, 100),  # no drafter
+        KRow(adaptive(), True, True, 0, 100),  # a draft model's first token
     ]
     ks = choose_ks(rows, costs)
     assert ks[0] >= 3 and ks[1] == ks[0]
