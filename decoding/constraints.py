@@ -28,8 +28,10 @@ import llguidance.torch as llt
 import numpy as np
 import torch
 
+from decoding.drafters import Proposal
 from decoding.grammar import ll_tokenizer, matcher
 from decoding.params import GrammarSpec
+from decoding.runner import as_ids
 
 _executor: llguidance.LLExecutor | None = None
 
@@ -165,6 +167,33 @@ class Shaping:
         self.bias = bias
         self.constraint = constraint
         self.forced: list[int] = []
+
+    def forced_drafts(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next, at most ``limit`` of them, kept as ``forced``: proposed
+        as drafts (verification still checks them: another tokenisation of the same bytes may be
+        what the masked target prefers)."""
+        if self.constraint is None:
+            return []
+        self.forced = self.constraint.propose_forced()[: max(0, limit)]
+        return self.forced
+
+    def cut(self, forced: list[int], proposal: Proposal | None, device: torch.device) -> Proposal | None:
+        """One row's drafts under the grammar: ``forced``, then the drafter's ``proposal``, cut at the
+        first token the grammar rejects (None: nothing left). Forced drafts are deterministic
+        (p = one-hot)."""
+        if self.constraint is None:
+            return proposal
+        drafted = proposal.tokens.tolist() if proposal is not None else []
+        tokens = forced + drafted
+        n = self.constraint.check_drafts(tokens)
+        if n == 0:
+            return None
+        probs = None
+        if proposal is not None and proposal.probs is not None:
+            V = proposal.probs.shape[-1]
+            one_hot = torch.nn.functional.one_hot(as_ids(forced, device), V)
+            probs = torch.cat([one_hot.to(proposal.probs.dtype), proposal.probs])[:n]
+        return Proposal(as_ids(tokens[:n], device), probs)
 
     def target(
         self,

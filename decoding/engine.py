@@ -153,8 +153,15 @@ class Engine:
         generators = {
             id(s): s.generator.get_state() for s in decoding if undoable and not s.request.params.greedy
         }
-        # [shaping] grammar-forced tokens: free drafts
-        forced = [self._forced(s, 0 if plain else s.controller.k_max) for s in decoding]
+        # [shaping] grammar-forced tokens: free drafts, up to the step width and max_tokens
+        forced = [
+            s.shaping.forced_drafts(
+                min(0 if plain else s.controller.k_max, s.request.params.max_tokens - s.completion_tokens - 1)
+            )
+            if s.shaping is not None and s.drafter is not None
+            else []
+            for s in decoding
+        ]
         items: list[ProposeItem] = [
             (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
             for s, k, f in zip(decoding, ks, forced, strict=True)
@@ -165,7 +172,7 @@ class Engine:
         start = time.perf_counter()
         proposals = propose_many(items)
         proposals = [
-            self._shaped(s, f, p) if s.shaping is not None and s.shaping.constraint is not None else p
+            s.shaping.cut(f, p, device) if s.shaping is not None else p
             for s, f, p in zip(decoding, forced, proposals, strict=True)
         ]  # [shaping] forced + drafted, cut at the first token the grammar rejects
         timer.mark()
@@ -332,36 +339,6 @@ class Engine:
         return bool(plain and plain(runner.exact))  # type: ignore[attr-defined]
 
     @staticmethod
-    def _forced(seq: Sequence, limit: int) -> list[int]:
-        """[shaping] The tokens the grammar forces next, proposed as drafts (verification still
-        checks them: another tokenisation of the same bytes may be what the masked target prefers),
-        capped by ``limit`` (the step width the runner allows) and by max_tokens."""
-        shaping = seq.shaping
-        if shaping is None or shaping.constraint is None or seq.drafter is None:
-            return []
-        remaining = seq.request.params.max_tokens - seq.completion_tokens
-        shaping.forced = shaping.constraint.propose_forced()[: max(0, min(remaining - 1, limit))]
-        return shaping.forced
-
-    @staticmethod
-    def _shaped(seq: Sequence, forced: list[int], proposal: Proposal | None) -> Proposal | None:
-        """[shaping] One row's drafts under a grammar: ``forced``, then the drafter's proposal, cut
-        at the first token the grammar rejects. Forced drafts are deterministic (p = one-hot)."""
-        assert seq.shaping is not None and seq.shaping.constraint is not None
-        device = seq.target.device
-        drafted = proposal.tokens.tolist() if proposal is not None else []
-        tokens = forced + drafted
-        n = seq.shaping.constraint.check_drafts(tokens)
-        if n == 0:
-            return None
-        probs = None
-        if proposal is not None and proposal.probs is not None:
-            V = proposal.probs.shape[-1]
-            one_hot = torch.nn.functional.one_hot(as_ids(forced, device), V)
-            probs = torch.cat([one_hot.to(proposal.probs.dtype), proposal.probs])[:n]
-        return Proposal(as_ids(tokens[:n], device), probs)
-
-    @staticmethod
     def _prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
         """The prompt tokens each prefilling sequence feeds this step, first come first served."""
         chunks = []
@@ -492,7 +469,7 @@ class Engine:
         seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target, timed)
         if kk and seq.drafter is not None:  # a verification: what the population counts
             self._population(seq).observe(kk, n)
-        self._record(seq.stats, kk, n, t_draft + t_target)
+        seq.stats.record_step(kk, n, t_draft + t_target)
         if kk == 0 and seq.controller.switched_off:
             seq.stats.spec_disabled_steps += 1
         new_list, finish = self._truncate(seq, new_list)
@@ -533,23 +510,6 @@ class Engine:
         if len(new) >= remaining:
             return new[:remaining], FinishReason.LENGTH
         return new, None
-
-    @staticmethod
-    def _record(stats: RequestStats, k: int, n: int, seconds: float) -> None:
-        stats.steps += 1
-        stats.decode_s += seconds
-        if k == 0:
-            return
-        stats.spec_steps += 1
-        stats.drafted += k
-        stats.accepted += n
-        while len(stats.drafted_by_position) < k:
-            stats.drafted_by_position.append(0)
-            stats.accepted_by_position.append(0)
-        for i in range(k):
-            stats.drafted_by_position[i] += 1
-            if i < n:
-                stats.accepted_by_position[i] += 1
 
     def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:
         """Run one request to the end (CLI, benchmarks, tests)."""

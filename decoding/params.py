@@ -146,6 +146,23 @@ class RequestStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def record_step(self, k: int, n: int, seconds: float) -> None:
+        """One decode step that drafted ``k`` tokens (0: plain) and accepted ``n`` of them."""
+        self.steps += 1
+        self.decode_s += seconds
+        if k == 0:
+            return
+        self.spec_steps += 1
+        self.drafted += k
+        self.accepted += n
+        while len(self.drafted_by_position) < k:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(k):
+            self.drafted_by_position[i] += 1
+            if i < n:
+                self.accepted_by_position[i] += 1
+
     @property
     def mean_accepted_per_step(self) -> float:
         """Tokens emitted per target forward pass (accepted drafts plus the corrected/bonus token)."""
