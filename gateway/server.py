@@ -157,7 +157,8 @@ def _build_engine(settings: Settings) -> EngineClient:
     # decoding's engine imports torch: only here, where the server builds it
     from decoding.async_engine import AsyncEngine
     from decoding.engine import Engine
-    from decoding.loader import ModelSpec, default_max_active, load_all
+    from decoding.loader import ModelSpec, load_all
+    from decoding.sizing import default_max_active
 
     specs = [
         ModelSpec(

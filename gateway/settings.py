@@ -88,7 +88,7 @@ class LimitSettings(_Section):
     # shared whenever a Redis is configured. False: each process keeps its own buckets.
     shared: bool | None = None
     # requests the engine batches; None: 4 on a CPU, on a GPU as many as the KV caches fit in its
-    # free memory, up to 64 (decoding.loader.default_max_active, logged at start)
+    # free memory, up to 64 (decoding.sizing.default_max_active, logged at start)
     max_active: int | None = Field(default=None, ge=1)
     max_queued: int = Field(default=32, ge=0)  # beyond this, 503 with Retry-After
     retry_after_s: int = Field(default=1, ge=0)

@@ -326,7 +326,7 @@ def test_exact_mode_output_does_not_depend_on_prompt_chunking(compile_step):
 
 
 def test_max_active_on_a_gpu_is_sized_from_its_free_memory():
-    from decoding.loader import MAX_ACTIVE_GPU, default_max_active, footprint, max_active_for
+    from decoding.sizing import MAX_ACTIVE_GPU, default_max_active, footprint, max_active_for
 
     tiny = ModelSpec("t", "tiny-random", dtype="float32", device="cuda")
     assert default_max_active([tiny]) == MAX_ACTIVE_GPU  # a tiny model's slots fit many times over

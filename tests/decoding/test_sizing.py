@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from decoding.errors import ModelLoadError
-from decoding.loader import (
+from decoding.loader import ModelSpec, load
+from decoding.sizing import (
     CPU_MAX_ACTIVE,
     MAX_ACTIVE_GPU,
     Footprint,
-    ModelSpec,
     default_max_active,
     footprint,
-    load,
     max_active_for,
 )
 from decoding.static import StaticModel
