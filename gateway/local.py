@@ -255,19 +255,8 @@ class _Closing:
 
 def _observe(stats: RequestStats, step: StepOutput) -> None:
     """Speculation stats from the steps seen, for a request left early (stop string) that never
-    receives the engine's final stats; the same bookkeeping as ``Engine._record``."""
-    stats.steps += 1
-    if step.drafted == 0:
-        return
-    stats.spec_steps += 1
-    stats.drafted += step.drafted
-    stats.accepted += step.accepted
-    while len(stats.drafted_by_position) < step.drafted:
-        stats.drafted_by_position.append(0)
-        stats.accepted_by_position.append(0)
-    for i in range(step.drafted):
-        stats.drafted_by_position[i] += 1
-        stats.accepted_by_position[i] += int(i < step.accepted)
+    receives the engine's final stats (the engine's own bookkeeping, without the step's seconds)."""
+    stats.record_step(step.drafted, step.accepted, 0.0)
 
 
 def merge_stats(parts: list[RequestStats]) -> RequestStats:
