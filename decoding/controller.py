@@ -276,6 +276,14 @@ class BatchCosts:
     realised_decay: float = 0.9  # per speculative step
     realised_fade: float = 0.97  # per plain step
     realised_min: float = 3.0
+    # Hysteresis: once no k paid (``off``), speculation turns on again outside a probe turn only where
+    # it beats plain by ``on_margin``. While off no speculative step updates the rows' acceptance
+    # estimates, and plain steps fade the realised discount: a marginal gain on paper then rests on
+    # estimates that stopped being measured, and switching on for it reset the probes' backoff (in
+    # bench.sim_controller's parted drafts, a k = 1 step every ~16 plain ones where the backoff
+    # would have spaced the probes 32-128 apart).
+    on_margin: float = 1.1
+    off: bool = False
 
     def probe_turn(self) -> bool:
         """True once every ``probe_period`` x ``backoff`` batched steps: a step that may probe."""
@@ -361,8 +369,15 @@ class BatchCosts:
             rate = sum(expected_tokens(a, min(k, cap)) for a, _, cap in rows) / t
             if rate * discount > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted rows
                 best_k, best_rate, modelled = k, rate * discount, rate
+        if self.off and probe:  # a probe from off: the next one comes later, unless this one pays
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+        elif self.off and best_k > 0 and best_rate < self.on_margin * B / t_plain:
+            best_k = 0
         if best_k > 0:
-            self.backoff = 1
+            if self.off:  # switching on (a probe, or a clear gain): no plain re-measurement now
+                self.off = False
+                return best_k
+            self.backoff = 1  # on for a second decision: the probe, if this began as one, paid
             # ... judged once the plain cost has two samples: a first one may be cold (a graph
             # captured, a cache warming) and make any speculation look clearly better; by the
             # model's own rate (the discount decides whether to speculate, not how often to check)
@@ -371,10 +386,11 @@ class BatchCosts:
             period = self.remeasure_every * (self.remeasure_slack if clear else 1)
             if self.steps and self.steps % period == 0:
                 return 0
-        elif probe:
+            return best_k
+        if probe and not self.off:
             self.backoff = min(2 * self.backoff, self.max_backoff)
-            return min(2, k_max)
-        return best_k
+        self.off = True
+        return min(2, k_max) if probe else 0
 
 
 def _lookup(table: dict[int, float], n: int) -> float | None:

@@ -502,6 +502,40 @@ def test_batch_costs_discount_speculation_by_what_it_realised():
     assert kept.best_k(marginal, 0.1, probe=False) == 1
 
 
+def test_batch_costs_switch_speculation_on_again_only_on_a_probe_or_a_clear_gain():
+    """Once no k pays, the rows' acceptance estimates stop being measured: a k that pays on paper by
+    a few percent waits for a probe turn (as a batch that is on keeps it), one that pays clearly is
+    taken at once; a probe from off drafts, not a plain re-measurement, and probes that find
+    nothing space out."""
+    from decoding.controller import BatchCosts
+
+    def tables() -> BatchCosts:
+        costs = BatchCosts()
+        for _ in range(3):
+            costs.observe(4, 4, 0, 0.0, 0.005)
+        costs.observe(4, 8, 1, 0.0015, 0.0055)  # k = 1: 7 ms for 1 + a tokens a row, against 5 ms for 1
+        costs.observe(4, 16, 3, 0.0045, 0.0055)
+        return costs
+
+    dead, marginal, paying = [(0.05, True, 4)] * 4, [(0.5, True, 1)] * 4, [(0.8, True, 4)] * 4
+    on = tables()
+    assert on.best_k(marginal, 0.1, probe=False) == 1  # 6 tokens in 7 ms against 4 in 5 ms: 1.07x
+
+    costs = tables()
+    assert costs.best_k(dead, 0.1, probe=False) == 0
+    assert costs.best_k(marginal, 0.1, probe=False) == 0  # off: 1.07x is not enough to switch on
+    costs.steps = costs.remeasure_every  # a re-measurement turn, were speculation on
+    assert costs.best_k(marginal, 0.1, probe=True) == 1  # the probe drafts at the best k
+    assert costs.best_k(dead, 0.1, probe=False) == 0  # ... finds nothing
+    assert costs.backoff == 2
+    assert costs.best_k(dead, 0.1, probe=True) == 2
+    assert costs.best_k(dead, 0.1, probe=False) == 0
+    assert costs.backoff == 4
+    assert costs.best_k(paying, 0.1, probe=False) >= 3  # a clear gain switches on at once
+    assert costs.best_k(paying, 0.1, probe=False) >= 3
+    assert costs.backoff == 1  # ... and stays on: the probes' wait starts again
+
+
 def test_the_engine_reports_what_speculative_steps_realised(tiny_models):
     """A batch that speculates feeds its steps' realised goodput to the target's BatchCosts: with
     the tiny target drafting for itself every draft is accepted, so steps give at least the tokens
