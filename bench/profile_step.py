@@ -1,7 +1,9 @@
 """Device probe: what a compiled 1-token step is made of (kernels by name, count and time) and what
 it costs under CUDA graphs, for the draft and target shapes.
 
-    python -m bench.profile_step
+    python -m bench.profile_step [--order]
+
+``--order`` also lists the first 40 kernels of the profiled step in launch order.
 
 Run on the H200 (2026-11-29) it also tried attention as two matmuls around an inductor-fused
 softmax, and inductor's coordinate-descent tuning and max-autotune: none beat the default (SDPA,
@@ -10,6 +12,7 @@ cuBLAS) by more than run-to-run spread, and max-autotune was slower, so neither 
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import torch
@@ -20,7 +23,7 @@ from decoding.static import StaticModel
 PROMPT = list(range(100, 228))
 
 
-def kernels(m: StaticModel, top: int) -> None:
+def kernels(m: StaticModel, top: int, order: int = 0) -> None:
     r = m.runner(exact=False)
     r.forward(PROMPT, logits=False)
     tok = torch.tensor([5], device="cuda")
@@ -41,6 +44,8 @@ def kernels(m: StaticModel, top: int) -> None:
         t[e.name[:80]] += e.device_time
     for name, n in by.most_common(top):
         print(f"   {n:5d} x {t[name] / n:6.1f} us  {name}")
+    for e in ks[:order]:  # the first kernels in launch order: what one layer is made of
+        print(f"   {e.device_time:6.1f} us  {e.name[:100]}")
 
 
 def step(m: StaticModel, exact: bool) -> float:
@@ -65,7 +70,7 @@ def main() -> None:
         print(
             f"{shape['hidden_size']}-wide: 1-token step {step(m, False) * 1e3:.3f} ms, exact step {step(m, True) * 1e3:.3f} ms"
         )
-        kernels(m, 16)
+        kernels(m, 16, order=40 if "--order" in sys.argv else 0)
         del m
         torch.cuda.empty_cache()
 

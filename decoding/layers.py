@@ -94,9 +94,19 @@ def attention_out(
     ops: Ops = TORCH_OPS,
 ) -> torch.Tensor:
     """Output projection, residual, RMSNorm and the SiLU-gated MLP: per token, like attention_in."""
-    x = x + ops.linear(o, w.o)
+    x = residual(x, ops.linear(o, w.o))
     gate, up = ops.linear(ops.rms_norm(x, w.ln2, d.eps), w.gate_up).chunk(2, dim=-1)
-    return x + ops.linear(F.silu(gate) * up, w.down)
+    return residual(x, ops.linear(F.silu(gate) * up, w.down))
+
+
+def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y, rounded once to x's dtype: the same numbers as ``x + y`` in eager (a bf16 add computes
+    in float32), and HF's ``residual + o_proj(...)``. Spelled with casts so that inductor does not fold
+    the add into the matmul before it (post_grad's add(mm) -> addmm pattern): cuBLAS's addmm first
+    copies x into its output, a device copy per residual, 51 of a 0.5B draft's 330 kernels a step on
+    the H200 (bench.profile_step --order), while left apart the add rides the next RMSNorm's kernel.
+    In float32 the casts are no-ops and the fold happens as before."""
+    return (x.float() + y.float()).to(x.dtype)
 
 
 def layer_entry(
