@@ -101,7 +101,8 @@ def attention_out(
 
 def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + y, rounded once to x's dtype: the same numbers as ``x + y`` in eager (a bf16 add computes
-    in float32), and HF's ``residual + o_proj(...)``. Spelled with casts so that inductor does not fold
+    in float32), and so as HF's ``residual + o_proj(...)``, whose matmul output is rounded before the
+    add (a fused addmm rounds only the sum). Spelled with casts so that inductor does not fold
     the add into the matmul before it (post_grad's add(mm) -> addmm pattern): cuBLAS's addmm first
     copies x into its output, a device copy per residual, 51 of a 0.5B draft's 330 kernels a step on
     the H200 (bench.profile_step --order), while left apart the add rides the next RMSNorm's kernel.
