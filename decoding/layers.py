@@ -106,8 +106,10 @@ def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     the add into the matmul before it (post_grad's add(mm) -> addmm pattern): cuBLAS's addmm first
     copies x into its output, a device copy per residual, 51 of a 0.5B draft's 330 kernels a step on
     the H200 (bench.profile_step --order), while left apart the add rides the next RMSNorm's kernel.
-    In float32 the casts are no-ops and the fold happens as before."""
-    return (x.float() + y.float()).to(x.dtype)
+    In float32 the casts are no-ops and the fold happens as before; eager code adds as it is."""
+    if torch.compiler.is_compiling():
+        return (x.float() + y.float()).to(x.dtype)
+    return x + y
 
 
 def layer_entry(

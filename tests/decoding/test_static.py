@@ -95,6 +95,19 @@ def test_compiled_layers_match_the_eager_static_forward(tiny_models):
         torch.testing.assert_close(compiled.forward(toks), plain.forward(toks), rtol=1e-4, atol=1e-4)
 
 
+def test_the_residual_add_rounds_as_an_eager_add():
+    """decoding.layers.residual spells x + y with float32 casts inside compiled code (so inductor
+    leaves the add out of the matmul before it): in bf16 its sum must be an eager add's, bit for bit."""
+    from decoding.layers import residual
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g).bfloat16()
+    y = (torch.randn(64, 256, generator=g) * torch.logspace(-4, 1, 256)).bfloat16()
+    compiled = torch.compile(residual, fullgraph=True)
+    assert torch.equal(compiled(x, y), x + y)
+    assert torch.equal(residual(x, y), x + y)
+
+
 def test_fused_weights_leave_the_hf_model_unchanged(tiny_models):
     """Fusing q/k/v and gate/up rebinds the HF modules to views of the fused tensors: the HF
     forward still computes what it did, and no second copy of the weights is made."""
