@@ -284,11 +284,17 @@ class BatchCosts:
     # would have spaced the probes 32-128 apart).
     on_margin: float = 1.1
     off: bool = False
+    off_steps: int = 0  # steps since speculation went off or was last probed
 
     def probe_turn(self) -> bool:
-        """True once every ``probe_period`` x ``backoff`` batched steps: a step that may probe."""
+        """True once speculation has been off for ``probe_period`` x ``backoff`` batched steps since
+        it went off or was last probed: a step that may probe. (Counted from then, not by the step
+        count's residue, which put a probe as soon as one step after speculation went off.)"""
         self.steps += 1
-        return self.steps % (self.probe_period * self.backoff) == 0
+        if not self.off:
+            return False
+        self.off_steps += 1
+        return self.off_steps >= self.probe_period * self.backoff
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
         """One decode step of ``batch`` rows and ``rows`` target rows in all (a step that prefilled
@@ -369,8 +375,9 @@ class BatchCosts:
             rate = sum(expected_tokens(a, min(k, cap)) for a, _, cap in rows) / t
             if rate * discount > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted rows
                 best_k, best_rate, modelled = k, rate * discount, rate
-        if self.off and probe:  # a probe from off: the next one comes later, unless this one pays
+        if self.off and probe:  # a probe: the next one comes later, unless this one pays
             self.backoff = min(2 * self.backoff, self.max_backoff)
+            self.off_steps = 0
         elif self.off and best_k > 0 and best_rate < self.on_margin * B / t_plain:
             best_k = 0
         if best_k > 0:
@@ -387,9 +394,8 @@ class BatchCosts:
             if self.steps and self.steps % period == 0:
                 return 0
             return best_k
-        if probe and not self.off:
-            self.backoff = min(2 * self.backoff, self.max_backoff)
-        self.off = True
+        if not self.off:
+            self.off, self.off_steps = True, 0
         return min(2, k_max) if probe else 0
 
 

@@ -101,9 +101,16 @@ def test_a_drafter_that_stops_itself_gets_k_max_and_is_judged_on_measured_steps(
     assert ks[10:].count(0) > len(ks[10:]) * 0.6 and any(k == 8 for k in ks[10:])  # off, probing
 
 
-def test_the_probe_turn_comes_once_a_period():
+def test_probes_come_a_period_after_speculation_went_off_and_space_out():
     costs = BatchCosts(probe_period=4)
-    assert [costs.probe_turn() for _ in range(8)] == [False, False, False, True] * 2
+    assert not any(costs.probe_turn() for _ in range(8))  # speculation not off: no probe turns
+    for _ in range(3):
+        costs.observe(4, 4, 0, 0.0, 0.005)
+    costs.observe(4, 12, 2, 0.003, 0.0055)
+    dead = [(0.05, True, 4)] * 4
+    ks = [costs.best_k(dead, 0.1, probe=costs.probe_turn()) for _ in range(30)]
+    # off at the first step; probes 4, then 8, then 16 steps after the one before (backoff doubling)
+    assert [i for i, k in enumerate(ks) if k] == [4, 12, 28]
 
 
 # GPU-like costs of one request alone (bench.sim_controller's H200 table): a draft pass costs about a
