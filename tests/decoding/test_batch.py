@@ -465,27 +465,31 @@ def test_a_new_request_starts_from_the_acceptance_of_the_ones_before(tiny_models
     assert len(engine.population) == 1
 
 
+def _four_row_tables():
+    """BatchCosts that measured 4 rows: plain 5 ms, k = 1 in 7 ms (a 1.5 ms draft pass and 5.5 ms of
+    verification), k = 3 in 10 ms."""
+    from decoding.controller import BatchCosts
+
+    costs = BatchCosts()
+    for _ in range(3):
+        costs.observe(4, 4, 0, 0.0, 0.005)
+    costs.observe(4, 8, 1, 0.0015, 0.0055)
+    costs.observe(4, 16, 3, 0.0045, 0.0055)
+    return costs
+
+
 def test_batch_costs_discount_speculation_by_what_it_realised():
     """Speculative steps that give fewer tokens per second than the model promised (estimates that
     lag a text the draft stopped following, costs the tables miss) discount the next choice: a k that
     pays on paper by 11% is not taken once steps realise 81% of their promise, one that pays 1.48x
     still is; plain steps fade the evidence, and steps that deliver more than promised change nothing."""
-    from decoding.controller import BatchCosts
-
-    def tables() -> BatchCosts:
-        costs = BatchCosts()
-        for _ in range(3):
-            costs.observe(4, 4, 0, 0.0, 0.005)
-        costs.observe(4, 8, 1, 0.0015, 0.0055)  # k = 1: 7 ms for 1 + a tokens a row, against 5 ms for 1
-        costs.observe(4, 16, 3, 0.0045, 0.0055)
-        return costs
 
     marginal, paying = [(0.55, True, 1)] * 4, [(0.8, True, 4)] * 4
-    fresh = tables()
+    fresh = _four_row_tables()
     assert fresh.realised is None
     assert fresh.best_k(marginal, 0.1, probe=False) == 1
 
-    let_down = tables()
+    let_down = _four_row_tables()
     for _ in range(4):  # each step: 1.55 x 4 tokens expected, 5 given, in the 7 ms the tables say
         let_down.observe_goodput(4, 1, True, 4 * 1.55, 5, 0.007)
     assert let_down.realised == pytest.approx(5 / 6.2)
@@ -495,7 +499,7 @@ def test_batch_costs_discount_speculation_by_what_it_realised():
         let_down.observe(4, 4, 0, 0.0, 0.005)
     assert let_down.realised is None  # faded below the weight of evidence it needs
 
-    kept = tables()
+    kept = _four_row_tables()
     for _ in range(4):
         kept.observe_goodput(4, 1, True, 4 * 1.55, 7, 0.007)
     assert kept.realised is not None and kept.realised > 1
@@ -507,21 +511,12 @@ def test_batch_costs_switch_speculation_on_again_only_on_a_probe_or_a_clear_gain
     a few percent waits for a probe turn (as a batch that is on keeps it), one that pays clearly is
     taken at once; a probe from off drafts, not a plain re-measurement, and probes that find
     nothing space out."""
-    from decoding.controller import BatchCosts
-
-    def tables() -> BatchCosts:
-        costs = BatchCosts()
-        for _ in range(3):
-            costs.observe(4, 4, 0, 0.0, 0.005)
-        costs.observe(4, 8, 1, 0.0015, 0.0055)  # k = 1: 7 ms for 1 + a tokens a row, against 5 ms for 1
-        costs.observe(4, 16, 3, 0.0045, 0.0055)
-        return costs
 
     dead, marginal, paying = [(0.05, True, 4)] * 4, [(0.5, True, 1)] * 4, [(0.8, True, 4)] * 4
-    on = tables()
+    on = _four_row_tables()
     assert on.best_k(marginal, 0.1, probe=False) == 1  # 6 tokens in 7 ms against 4 in 5 ms: 1.07x
 
-    costs = tables()
+    costs = _four_row_tables()
     assert costs.best_k(dead, 0.1, probe=False) == 0
     assert costs.best_k(marginal, 0.1, probe=False) == 0  # off: 1.07x is not enough to switch on
     costs.steps = costs.remeasure_every  # a re-measurement turn, were speculation on
