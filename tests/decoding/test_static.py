@@ -199,7 +199,7 @@ def test_auto_backend_and_the_static_context_cap(tiny_models, monkeypatch):
     assert m.max_context == 256
     assert m.runner_factory(m.model).max_step_tokens == 9
     assert loader.load(replace(spec, backend="eager", dtype="float32")).max_context == 4096  # the model's own
-    auto = loader.load(replace(spec, dtype="float32"))  # static on a CPU, exact off
+    auto = loader.load(replace(spec, dtype="float32", device="cpu"))  # static on a CPU, exact off
     assert auto.max_context == 256 and auto.runner_factory(auto.model).max_step_tokens is None
 
 
