@@ -14,7 +14,8 @@ it (each output position kept with probability ``a``, drawn once per request, so
 same text); the host's time around a step, which no CUDA event sees; the GPU idle while the host
 launches a phase's first kernel, which the event timing does see (the draft's first pass, a plain
 step's verification); and the draft's catch-up, outside the timed draft (its prompt at the first
-proposal, and a backlog longer than ``DraftModelDrafter.INLINE_GPU`` after plain steps). Means over
+proposal, in passes of ``CATCH_UP_PASS`` tokens, and a backlog longer than
+``DraftModelDrafter.INLINE_GPU`` after plain steps). Means over
 ``seeds`` runs (one run at N = 1 is a single draw of 128 positions: its acceptance is 0.8 +- 0.03).
 """
 
@@ -41,10 +42,13 @@ H200_DRAFT = {1: 1.33e-3, 4: 1.41e-3, 16: 1.45e-3, 64: 1.60e-3}
 # draft's prompt and its backlogs replay prompt-chunk graphs since fa58035: bench.probe_auto_fast on
 # the H200 (2026-12-02 06:20 UTC) timed a k = 2 probe step at N = 4 / 16 (a backlog of 16-64 tokens
 # a row) 3.5 / 4.9 ms over a plain step, of which two draft passes are 2.8 / 2.9 ms, and the first
-# speculative step (the 128-token prompt) about 2 ms over a later one.
+# speculative step (the 128-token prompt) about 2 ms over a later one; at N = 16 (the nosync probe,
+# 10:05 UTC) the first speculative step took 24 ms against 9-10 ms for a later one: the prompts'
+# catch-up runs in passes of up to 512 tokens (drafters.catch_up_many), 2-3.5 ms each.
 HOST_S = 0.3e-3
 LAUNCH_S = 0.2e-3
-DRAFT_PREFILL_S = 2e-3
+DRAFT_PREFILL_S = 2.5e-3  # per catch-up pass of the draft's prompts
+CATCH_UP_PASS = 512  # tokens a catch-up pass holds
 CATCH_UP_S = 1.5e-3
 PROMPT = 128
 
@@ -149,7 +153,8 @@ def simulate(
         ]
         t_catch = 0.0
         if behind:
-            t_catch = DRAFT_PREFILL_S if any(s.draft_seen == 0 for s in behind) else CATCH_UP_S
+            fresh = sum(s.draft_seen == 0 for s in behind)
+            t_catch = DRAFT_PREFILL_S * -(-fresh * PROMPT // CATCH_UP_PASS) if fresh else CATCH_UP_S
         t_draft = sum(_interp(H200_DRAFT, sum(k > j for k in ks)) for j in range(K))
         t_draft += LAUNCH_S if K else 0.0
         t_target = _interp(H200_TARGET_EXACT, B) + (0.0 if K else LAUNCH_S)
