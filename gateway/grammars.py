@@ -46,8 +46,9 @@ def grammar_for(
     """The grammar a chat request's output must follow, or None (free text)."""
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if tools and choice != "none" and choice != "auto":
-        if isinstance(choice, dict):
+        if isinstance(choice, dict):  # a named function: exactly one call of it, as OpenAI documents
             tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+            parallel = False  # (a small model otherwise repeats the call until max_tokens cuts it)
         return GrammarSpec("lark", tool_grammar(tools, parallel), param="tools")
     fmt = (response_format or {}).get("type", "text")
     if fmt == "text":

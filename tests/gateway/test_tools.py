@@ -108,6 +108,9 @@ def test_grammars() -> None:
     g = grammar_for(None, tools, "required", False)
     assert g is not None and g.kind == "lark" and g.param == "tools" and "call)*" not in g.text
     assert "call)*" in tool_grammar(tools, True)
+    named = grammar_for(None, tools, {"type": "function", "function": {"name": "f"}}, True)
+    assert named is not None and "call)*" not in named.text  # a named function: exactly one call
+    assert "call)*" in grammar_for(None, tools, "required", True).text  # type: ignore[union-attr]
     auto = grammar_for({"type": "json_object"}, tools, "auto", True)
     assert auto is not None and auto.text.startswith("start: %json")
 
