@@ -20,13 +20,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from decoding.engine import Engine, Sequence
 from decoding.errors import EngineOverloaded, EngineStopped, NoFreeSlot
-from decoding.params import FinishReason, GenerationRequest, StepOutput
+from decoding.params import BatchStep, FinishReason, GenerationRequest, StepOutput
 
 log = logging.getLogger("specgate.engine")
 
@@ -92,6 +92,7 @@ class AsyncEngine:
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         self.last_batch = 0  # rows in the latest step (metrics)
+        self._step_observers: list[Callable[[BatchStep], None]] = []
         self._thread = threading.Thread(target=self._loop, name="specgate-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +113,11 @@ class AsyncEngine:
     @property
     def total_steps(self) -> int:
         return self.engine.total_steps
+
+    def add_step_observer(self, observe: Callable[[BatchStep], None]) -> None:
+        """Call ``observe`` with every batched step (on the engine's thread, so it must be quick and
+        thread-safe; prometheus_client's metrics are). Register before requests arrive."""
+        self._step_observers.append(observe)
 
     def tokenizer(self, model: str) -> Any:
         return self.engine.model(model).tokenizer
@@ -236,6 +242,23 @@ class AsyncEngine:
                 self._emit(p, out)
                 if out.finish_reason is not None:
                     self._drop(p, seq)
+            if self._step_observers:
+                self._observe(seqs[0].target.name, outs)
+
+    def _observe(self, model: str, outs: list[StepOutput | None]) -> None:
+        given = [o for o in outs if o is not None]
+        step = BatchStep(
+            model,
+            rows=len(given),
+            prefilling=len(outs) - len(given),
+            tokens=sum(len(o.token_ids) for o in given),
+            drafted=max((o.drafted for o in given), default=0),
+        )
+        for observe in self._step_observers:
+            try:
+                observe(step)
+            except Exception:  # an observer's fault must not stop the engine
+                log.exception("a step observer failed")
 
     def _finish(
         self, pending: _Pending, seq: Sequence, reason: FinishReason, error: str | None = None

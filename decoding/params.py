@@ -201,3 +201,15 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None  # set on the final output
     error: str | None = None  # set with finish_reason ERROR
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """One engine step over a target's batch, as metrics see it (``AsyncEngine.add_step_observer``):
+    what a request's ``StepOutput`` cannot say, since it is one row of the step."""
+
+    model: str
+    rows: int  # requests the step gave tokens to
+    prefilling: int  # requests whose prompt chunk rode the step, no token yet
+    tokens: int  # tokens the step emitted, every row's
+    drafted: int  # the most tokens any row drafted (the step's k; 0: a plain step)

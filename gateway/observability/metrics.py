@@ -3,7 +3,7 @@
 Its own registry (not prometheus_client's global one) lets tests build several apps in one process
 and read exact values back. Callers record through one method per event: the gateway
 (``observe_request_done``, ``observe_abort``), the engine wrapper (``observe_step``,
-``observe_generation_done``), the cache (``observe_cache``, ``observe_redis_error``,
+``observe_generation_done``), the local engine's worker thread (``observe_batch_step``), the cache (``observe_cache``, ``observe_redis_error``,
 ``set_circuit_state``), the router (``observe_route``) and the upstream client
 (``observe_upstream``, ``observe_upstream_retry``, ``observe_fallback``).
 
@@ -23,7 +23,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from decoding.params import RequestStats, StepOutput
+from decoding.params import BatchStep, RequestStats, StepOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 OTHER = "other"
@@ -34,6 +34,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 FAST_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)  # cache, router
 COUNT_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)  # tokens per step, k (max_k <= 32)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # requests in an engine step (decoding.graphs')
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens an engine step emits
 MAX_POSITION = 32  # SpecParams.max_k's upper bound
 
 # Circuit breaker states as gauge values (alert on `specgate_circuit_state == 2`).
@@ -56,6 +58,13 @@ ROUTES = frozenset(
         "/openapi.json",
     }
 )
+
+
+def batch_label(rows: int) -> str:
+    """The power of two at or above ``rows``, past the largest batch bucket "256+": a bounded label."""
+    if rows > 256:
+        return "256+"
+    return str(1 << max(0, (rows - 1).bit_length()))
 
 
 def route_label(path: str) -> str:
@@ -192,6 +201,36 @@ class Metrics:
             "specgate_spec_k",
             "Draft length k chosen per step (0: plain step).",
             ["model"],
+            buckets=COUNT_BUCKETS,
+            registry=r,
+        )
+        # per engine step over a target's batch (AsyncEngine.add_step_observer), where the ones above
+        # count each request's share of it
+        self.batch_rows = Histogram(
+            "specgate_engine_batch_rows",
+            "Requests given tokens by one engine step (one forward pass of a target over its batch).",
+            ["model"],
+            buckets=ROW_BUCKETS,
+            registry=r,
+        )
+        self.batch_prefilling = Counter(
+            "specgate_engine_prefill_chunks",
+            "Prompt chunks that rode an engine step beside its decoding rows.",
+            ["model"],
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "specgate_engine_step_tokens",
+            "Tokens one engine step emitted, every row of its batch.",
+            ["model"],
+            buckets=STEP_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_k = Histogram(
+            "specgate_engine_step_k",
+            "The draft length an engine step's rows drafted up to (0: a plain step), by batch size "
+            "(the power of two at or above the step's rows).",
+            ["model", "batch"],
             buckets=COUNT_BUCKETS,
             registry=r,
         )
@@ -340,7 +379,21 @@ class Metrics:
         self.queue_depth.set_function(lambda: engine.queue_depth)
         self.engine_active.set_function(lambda: engine.active)
         self.know_models(getattr(engine, "model_names", ()))
+        add_step_observer = getattr(engine, "add_step_observer", None)  # the local engine's alone
+        if add_step_observer is not None:
+            add_step_observer(self.observe_batch_step)
         self._engine_bound = True
+
+    def observe_batch_step(self, step: BatchStep) -> None:
+        """One engine step over a target's batch (called on the engine's thread)."""
+        m = self.model_label(step.model)
+        if step.prefilling:
+            self.batch_prefilling.labels(m).inc(step.prefilling)
+        if not step.rows:
+            return  # prompt chunks alone: no step of the batch's decoding
+        self.batch_rows.labels(m).observe(step.rows)
+        self.step_tokens.labels(m).observe(step.tokens)
+        self.step_k.labels(m, batch_label(step.rows)).observe(step.drafted)
 
     def observe_step(self, model: str, step: StepOutput) -> None:
         """One verification (or plain) step of one request, as the engine yielded it."""

@@ -235,6 +235,32 @@ async def test_more_requests_than_kv_slots_wait_and_all_finish(tiny_models):
         assert finish == FinishReason.LENGTH and tokens == expected[r.request_id]
 
 
+async def test_step_observers_see_each_batched_step(tiny_models):
+    """The engine reports every step over a target's batch (the metrics' batch size, tokens a step,
+    k by batch size): rows given tokens, prompt chunks beside them, the tokens, the drafts."""
+    from decoding.params import BatchStep
+
+    reqs = [
+        request(tiny_models, PROMPTS[1] * 3, "draft", k=3, max_tokens=10),
+        request(tiny_models, PROMPTS[4], "off", max_tokens=6),
+    ]
+    ae = AsyncEngine(Engine(tiny_models), max_active=2, prefill_budget=16)
+    seen: list[BatchStep] = []
+    ae.add_step_observer(seen.append)
+    ae.add_step_observer(lambda step: 1 / 0)  # a faulty observer: logged, the engine goes on
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(ae, r) for r in reqs)), 120)
+    finally:
+        ae.shutdown()
+    assert [finish for _, finish in results] == [FinishReason.LENGTH] * 2
+    assert all(s.model == "tiny" for s in seen)
+    assert sum(s.tokens for s in seen) == 16  # every token of both requests, counted once
+    assert max(s.rows for s in seen) == 2 and max(s.drafted for s in seen) > 0
+    assert any(s.prefilling and s.rows for s in seen)  # a prompt chunk beside a decoding row
+    # the long prompt's 16-token chunks before its last, which gives its first token
+    assert sum(s.prefilling for s in seen) >= (len(reqs[0].prompt_token_ids) - 1) // 16
+
+
 def test_duplicate_request_ids_do_not_collide(tiny_models):
     """The engine keys requests by submission: the client's request_id is only a label."""
     engine = Engine(tiny_models)

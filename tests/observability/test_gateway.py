@@ -92,6 +92,12 @@ async def test_metrics_match_the_responses(engine: AsyncEngine, provider: Tracer
     assert m.value("specgate_time_to_first_token_seconds_count", model=MODEL) == 4
     assert m.value("specgate_generations_total", model=MODEL, finish_reason="length", drafter="draft") == 4
     assert "specgate_engine_queue_depth 0.0" in scrape
+    # the engine's own steps: every step of these requests, one request each (run one after another)
+    assert m.value("specgate_engine_batch_rows_count", model=MODEL) == steps
+    assert m.value("specgate_engine_batch_rows_sum", model=MODEL) == steps
+    assert m.value("specgate_engine_step_tokens_sum", model=MODEL) == completion
+    assert m.value("specgate_engine_step_k_count", model=MODEL, batch="1") == steps
+    assert "specgate_engine_step_k_bucket" in scrape
 
 
 async def test_spans_on_the_real_app(

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.params import FinishReason, RequestStats, StepOutput
-from gateway.observability.metrics import OTHER, Metrics, route_label
+from decoding.params import BatchStep, FinishReason, RequestStats, StepOutput
+from gateway.observability.metrics import OTHER, Metrics, batch_label, route_label
 
 
 def test_step_counts_drafted_accepted_and_positions() -> None:
@@ -27,6 +27,21 @@ def test_step_counts_drafted_accepted_and_positions() -> None:
     assert m.value("specgate_spec_accepted_per_step_sum", model="tiny") == 4
     assert m.value("specgate_spec_k_count", model="tiny") == 3
     assert m.value("specgate_spec_k_bucket", model="tiny", le="0.0") == 1  # the plain step
+
+
+def test_batch_steps_count_rows_tokens_and_k_by_batch_size() -> None:
+    m = Metrics(models=["tiny"])
+    m.observe_batch_step(BatchStep("tiny", rows=3, prefilling=1, tokens=9, drafted=4))
+    m.observe_batch_step(BatchStep("tiny", rows=1, prefilling=0, tokens=1, drafted=0))
+    m.observe_batch_step(BatchStep("tiny", rows=0, prefilling=2, tokens=0, drafted=0))  # prompts only
+    assert m.value("specgate_engine_batch_rows_count", model="tiny") == 2
+    assert m.value("specgate_engine_batch_rows_sum", model="tiny") == 4
+    assert m.value("specgate_engine_step_tokens_sum", model="tiny") == 10
+    assert m.value("specgate_engine_prefill_chunks_total", model="tiny") == 3
+    assert m.value("specgate_engine_step_k_sum", model="tiny", batch="4") == 4
+    assert m.value("specgate_engine_step_k_bucket", model="tiny", batch="1", le="0.0") == 1
+    labels = [batch_label(n) for n in (1, 2, 3, 64, 65, 256, 257)]
+    assert labels == ["1", "2", "4", "64", "128", "256", "256+"]
 
 
 def test_closing_output_of_an_abort_is_not_a_step() -> None:
