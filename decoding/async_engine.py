@@ -91,7 +91,6 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stopping = False
-        self.last_batch = 0  # rows in the latest step (metrics)
         self._step_observers: list[Callable[[BatchStep], None]] = []
         self._thread = threading.Thread(target=self._loop, name="specgate-engine", daemon=True)
         self._thread.start()
@@ -228,7 +227,6 @@ class AsyncEngine:
         joining = bool(self._inbox) and len(self._active) < self.max_active
         for group in by_model.values():
             seqs = [self._active[p] for p in group]
-            self.last_batch = len(seqs)
             try:
                 outs = self.engine.step_batch(seqs, self.prefill_budget, joining)
             except Exception as exc:

@@ -210,6 +210,7 @@ class BatchStep:
 
     model: str
     rows: int  # requests the step gave tokens to
-    prefilling: int  # requests whose prompt chunk rode the step, no token yet
+    prefilling: int  # requests given no token: a prompt chunk rode the step (or, for a request that
+    # joined while the step was queued ahead, rides the next one)
     tokens: int  # tokens the step emitted, every row's
     drafted: int  # the most tokens any row drafted (the step's k; 0: a plain step)

@@ -3,9 +3,9 @@
 Its own registry (not prometheus_client's global one) lets tests build several apps in one process
 and read exact values back. Callers record through one method per event: the gateway
 (``observe_request_done``, ``observe_abort``), the engine wrapper (``observe_step``,
-``observe_generation_done``), the local engine's worker thread (``observe_batch_step``), the cache (``observe_cache``, ``observe_redis_error``,
-``set_circuit_state``), the router (``observe_route``) and the upstream client
-(``observe_upstream``, ``observe_upstream_retry``, ``observe_fallback``).
+``observe_generation_done``), the local engine's worker thread (``observe_batch_step``), the cache
+(``observe_cache``, ``observe_redis_error``, ``set_circuit_state``), the router (``observe_route``)
+and the upstream client (``observe_upstream``, ``observe_upstream_retry``, ``observe_fallback``).
 
 Label values stay bounded: every free-form value the server chose (model, tier, strategy, upstream,
 ...) goes through a ``_Bounded`` set that admits configured names, then at most ``cap`` others, then
@@ -213,9 +213,10 @@ class Metrics:
             buckets=ROW_BUCKETS,
             registry=r,
         )
-        self.batch_prefilling = Counter(
+        self.prefill_chunks = Counter(
             "specgate_engine_prefill_chunks",
-            "Prompt chunks that rode an engine step beside its decoding rows.",
+            "Requests an engine step gave no token: their prompt chunk rode it (a request that joined "
+            "while the step was queued ahead counts too, its chunk riding the next).",
             ["model"],
             registry=r,
         )
@@ -388,7 +389,7 @@ class Metrics:
         """One engine step over a target's batch (called on the engine's thread)."""
         m = self.model_label(step.model)
         if step.prefilling:
-            self.batch_prefilling.labels(m).inc(step.prefilling)
+            self.prefill_chunks.labels(m).inc(step.prefilling)
         if not step.rows:
             return  # prompt chunks alone: no step of the batch's decoding
         self.batch_rows.labels(m).observe(step.rows)
