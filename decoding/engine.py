@@ -240,6 +240,11 @@ class Engine:
         return self.overlap if self.overlap is not None else seq.target.device.type == "cuda"
 
     @staticmethod
+    def _ends(seq: Sequence, in_flight: int) -> bool:
+        """Whether max_tokens ends a row by the ``in_flight`` steps not yet read back."""
+        return seq.request.params.max_tokens - seq.completion_tokens <= in_flight
+
+    @staticmethod
     def _chains(seq: Sequence, in_flight: int) -> bool:
         """Whether a row's next step can be queued before the host sees the ``in_flight`` steps not
         yet read back: it is plain, its input is the token those steps chose (nothing the host must
@@ -265,10 +270,18 @@ class Engine:
         self, rows: list[Sequence], verifying: Verifying, pick: list[int] | None, in_flight: int
     ) -> None:
         """Queue the next plain step of ``rows`` (``verifying``'s rows, or those at ``pick``) behind
-        the ``in_flight`` steps not yet read back. The rows' k for it are chosen now; when any is not
-        0 they are kept for that step, and nothing is queued (``_speculate_ahead`` queues it once
+        the ``in_flight`` steps not yet read back. A row those steps end by max_tokens is left out of
+        it (it has no next step; holding the others back for it made every step where a row of a
+        batch finished a synchronous one). The rows' k for it are chosen now; when any is not 0
+        they are kept for that step, and nothing is queued (``_speculate_ahead`` queues it once
         this step is committed)."""
-        if not rows or not self._overlaps(rows[0]) or not all(self._chains(s, in_flight) for s in rows):
+        if not rows or not self._overlaps(rows[0]):
+            return
+        at = list(range(len(rows))) if pick is None else pick
+        going = [(i, s) for i, s in zip(at, rows, strict=True) if not self._ends(s, in_flight)]
+        if len(going) < len(rows):
+            pick, rows = [i for i, _ in going], [s for _, s in going]
+        if not rows or not all(self._chains(s, in_flight) for s in rows):
             return
         name = rows[0].target.name
         ks = self._choose_ks(rows, pending=in_flight)

@@ -197,3 +197,31 @@ def test_no_step_is_queued_while_requests_wait_to_join(tiny_models):
         step(seqs)
     for r in reqs:
         assert out[r.request_id] == expected[r.request_id]
+
+
+def test_a_row_ending_at_its_max_tokens_does_not_hold_the_others_back(tiny_models, monkeypatch):
+    """Rows of one batch that end at different max_tokens: the step after each end is still queued
+    before the host reads the step before back (``_launch_ahead``, the ending row left out of it),
+    not only once that step is committed (``_speculate_ahead``, the GPU idle while the host reads
+    and streams), as when the rows end together; the outputs are still what each gives alone."""
+    late = []
+    speculate_ahead = Engine._speculate_ahead
+
+    def counted(self, rows):  # type: ignore[no-untyped-def]
+        before = dict(self._ahead)
+        speculate_ahead(self, rows)
+        late.extend(name for name in self._ahead if self._ahead[name] is not before.get(name))
+
+    monkeypatch.setattr(Engine, "_speculate_ahead", counted)
+    staggered = [
+        request(tiny_models, p, max_tokens=n) for p, n in zip(PROMPTS[:4], (3, 6, 9, 12), strict=True)
+    ]
+    together = [request(tiny_models, p, max_tokens=12) for p in PROMPTS[:4]]
+    queued_late = {}
+    for name, reqs in (("staggered", staggered), ("together", together)):
+        expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+        engine = overlapping(tiny_models)
+        late.clear()
+        assert run_batch(engine, reqs) == expected
+        queued_late[name] = len(late)
+    assert queued_late["staggered"] == queued_late["together"]
