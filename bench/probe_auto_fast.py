@@ -3,13 +3,14 @@ Runs fast off (the replay's reference), then auto, timing every engine step and 
 ones with what they held: rows, drafted tokens, the draft's catch-up backlog, graphs captured during
 the step, and dynamo recompiles (logged by torch).
 
-    python -m bench.probe_auto_fast [exact] [nosync] [N ...]   (default 16)
+    python -m bench.probe_auto_fast [exact] [nosync] [minrows=R] [N ...]   (default 16)
 
 ``exact``: the same in exact mode (bench.gpu_batch's auto row), every prompt in one prefill step.
 ``nosync``: no device sync around a step, so steps queued ahead overlap as they do in a server; a
 step's time is then the interval between two calls' returns (the step each returns).
 Each round prints where each request's output first parts from the replay's reference (past it, the
-replay's drafts are all rejected).
+replay's drafts are all rejected), the step that was and how many rows it held, and the batch's rows
+step by step. ``minrows=R``: exact-mode graph steps hold at least R rows (StaticModel.exact_min_rows).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ def main() -> None:
     torch._logging.set_logs(recompiles=True)
     exact = "exact" in sys.argv[1:]
     nosync = "nosync" in sys.argv[1:]
-    ns = [int(a) for a in sys.argv[1:] if a not in ("exact", "nosync")] or [16]
+    opts = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    ns = [int(a) for a in sys.argv[1:] if a not in ("exact", "nosync") and "=" not in a] or [16]
     target, draft = build(TARGET, 0), build(DRAFT, 1)
     if exact:
         tm = StaticModel(target, EXACT_LEN, slots=max(ns) + 2, graphs=True, compile_step=True, exact=True)
     else:
         tm = StaticModel(target, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
     dm = StaticModel(draft, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
+    tm.exact_min_rows = int(opts.get("minrows", 1))
     tm.warm()
     dm.warm()
     for N in ns:
@@ -67,6 +70,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
 
     log: list[tuple[float, int, list[int], int, list]] = []  # type: ignore[type-arg]
     returned: list[float] = []
+    emitted: dict[str, list[tuple[int, int]]] = {}  # request -> (step, tokens) per step it got tokens
     inner = Engine.step_batch
     choices: list[str] = []
     best_k = BatchCosts.best_k
@@ -94,6 +98,9 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
             torch.cuda.synchronize()
         returned.append(time.perf_counter())
         drafted = [o.drafted for o in outs if o is not None]
+        for o in outs:
+            if o is not None:
+                emitted.setdefault(o.request_id, []).append((len(log), len(o.token_ids)))
         log.append(
             (
                 returned[-1] - t,
@@ -123,6 +130,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
             Engine.step_batch = timed  # type: ignore[method-assign]
             BatchCosts.best_k = logged  # type: ignore[method-assign]
             log.clear()
+            emitted.clear()
             choices.clear()
             returned.clear()
             if exact:
@@ -143,6 +151,22 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
             for i, r in enumerate(auto)
         ]
         print("   output parts from the reference at:", parts)
+        for i, r in enumerate(auto):
+            done, at = 0, None
+            for step, n in emitted.get(r.request_id, []):
+                if parts[i] is not None and at is None and done + n > parts[i]:
+                    at = step
+                done += n
+            last = emitted[r.request_id][-1][0] if emitted.get(r.request_id) else None
+            rows_then = log[at][1] if at is not None else None
+            print(f"   request {i}: parts at step {at} ({rows_then} rows in it), its last step {last}")
+        runs: list[list[int]] = []
+        for _, n, _, _, _ in log:
+            if runs and runs[-1][0] == n:
+                runs[-1][1] += 1
+            else:
+                runs.append([n, 1])
+        print("   rows x steps:", " ".join(f"{n}x{c}" for n, c in runs))
         for i, c in enumerate(choices):
             if i < 12 or i % 16 == 0:
                 print(f"   choice {i}: {c}")

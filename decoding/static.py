@@ -125,6 +125,9 @@ class StaticModel(PooledSlots):
         # as vLLM's and SGLang's are: on the 7B shape it halves exact mode's throughput at 16 rows
         # (docs/benchmarks.md, gpu-batch)
         self.batch_invariant = exact and batch_invariant and invariant.available(self.device)
+        # exact mode: a graph step holds at least this many rows (padding to the scratch slot), so a
+        # batch that shrinks below it keeps its GEMMs' M and with it cuBLAS's kernel choice
+        self.exact_min_rows = 1
         self.ops: Ops = invariant.OPS if self.batch_invariant else TORCH_OPS
         self._graphs: dict[tuple[int, int, int, int, int], _Graph] = {}
         # one memory pool for this model's graphs: they never run concurrently. Not shared across
@@ -282,7 +285,7 @@ class StaticModel(PooledSlots):
         long = [r for r, c in zip(rows, as_chunk, strict=True) if c]
         W = self.max_graph_tokens if exact else max((r.tokens.shape[0] for r in short), default=0)
         if short and not long and self.graphs_enabled:
-            B = batch_bucket(len(short))
+            B = self._bucket(len(short), exact)
             L = self._batch_len(max(r.start for r in short) + W, exact)
             logits = self._graph(B, W, L, short[0].slot).replay(short)
         elif long and self._chunk_graph_fits(long):
@@ -312,7 +315,7 @@ class StaticModel(PooledSlots):
             return torch.stack([t for t in self.forward_rows(rows, exact) if t is not None])
         L = self._batch_len(max(starts) + W, exact)
         if self.graphs_enabled:
-            Bb = batch_bucket(B)
+            Bb = self._bucket(B, exact)
             return self._graph(Bb, W, L, slots[0]).run(slots, starts, ids)[:, :T]
         slot_t = torch.tensor(slots).to(self.device, non_blocking=True)  # [B]
         start_t = torch.tensor(starts).to(self.device, non_blocking=True)  # [B]
@@ -328,6 +331,9 @@ class StaticModel(PooledSlots):
             singles=[],
         )
         return self._step(step).view(B, W, -1)[:, :T]
+
+    def _bucket(self, rows: int, exact: bool) -> int:
+        return batch_bucket(max(rows, self.exact_min_rows) if exact else rows)
 
     def _graph(self, B: int, W: int, L: int, first_slot: int, P: int = 0) -> _Graph:
         """The graph of a step shape, captured on first use: B short rows of W tokens and room for
