@@ -276,8 +276,8 @@ class BatchCosts:
     realised_decay: float = 0.9  # per speculative step
     realised_fade: float = 0.97  # per plain step
     realised_min: float = 3.0
-    # Hysteresis: once no k paid (``off``), speculation turns on again outside a probe turn only where
-    # it beats plain by ``on_margin``. While off no speculative step updates the rows' acceptance
+    # Hysteresis: once no k paid (``off``), speculation turns on again only where it beats plain by
+    # ``on_margin``, on a probe turn too (a probe drafts 2 to measure and stays off). While off no speculative step updates the rows' acceptance
     # estimates, and plain steps fade the realised discount: a marginal gain on paper then rests on
     # estimates that stopped being measured, and switching on for it reset the probes' backoff (in
     # bench.sim_controller's parted drafts, a k = 1 step every ~16 plain ones where the backoff
@@ -378,8 +378,8 @@ class BatchCosts:
         if self.off and probe:  # a probe: the next one comes later, unless this one pays
             self.backoff = min(2 * self.backoff, self.max_backoff)
             self.off_steps = 0
-        elif self.off and best_k > 0 and best_rate < self.on_margin * B / t_plain:
-            best_k = 0
+        if self.off and best_k > 0 and best_rate < self.on_margin * B / t_plain:
+            best_k = 0  # a probe then drafts 2, below, and the batch stays off
         if best_k > 0:
             if self.off:  # switching on (a probe, or a clear gain): no plain re-measurement now
                 self.off = False

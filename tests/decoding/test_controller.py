@@ -113,6 +113,23 @@ def test_probes_come_a_period_after_speculation_went_off_and_space_out():
     assert [i for i, k in enumerate(ks) if k] == [4, 12, 28]
 
 
+
+def test_a_probe_measures_and_switches_speculation_on_only_past_the_margin():
+    """While off, a probe turn drafts whatever the estimates say (it is how they get measured) but
+    leaves speculation off unless it pays by on_margin, as any other step: a probe that paid on
+    paper by a fraction of a percent (the H200, fast mode, N = 16: 16 rows at a prior of 0.33, k = 1)
+    stayed on for four k = 1 steps that each cost ~3 ms more than a plain step."""
+    costs = BatchCosts(probe_period=2)
+    for _ in range(3):
+        costs.observe(4, 4, 0, 0.0, 0.005)
+    costs.observe(4, 8, 1, 0.0015, 0.005)
+    assert costs.best_k([(0.05, True, 4)] * 4, 0.1, probe=False) == 0 and costs.off
+    marginal = [(0.32, True, 4)] * 4  # k = 1: 1.32 tokens in 6.5 ms against 1 in 5: 1.015x
+    ks = [costs.best_k(marginal, 0.1, probe=costs.probe_turn()) for _ in range(6)]
+    assert [bool(k) for k in ks] == [False, True, False, False, False, True] and costs.off
+    assert costs.best_k([(0.8, True, 4)] * 4, 0.1, probe=False) > 0 and not costs.off
+
+
 # GPU-like costs of one request alone (bench.sim_controller's H200 table): a draft pass costs about a
 # quarter of a verification, and verification is flat in k (exact mode pads every step to one width)
 T_DRAFT, T_TARGET = 1.3e-3, 5.0e-3
