@@ -18,7 +18,7 @@ def main() -> None:
     if variant not in ("on", "off"):
         raise SystemExit(__doc__)
     if variant == "off":
-        Engine._speculate_ahead = lambda self, rows: None  # type: ignore[method-assign]
+        Engine._speculate_ahead = lambda self, rows, read_at: None  # type: ignore[method-assign]
     gpu_batch.main(rest)
 
 

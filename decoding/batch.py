@@ -96,7 +96,9 @@ class QueuedStep:
     batch: DecodeBatch
     verifying: Verifying
     timer: StepTimer
-    start: float  # perf_counter when its host work began (what a step costs is counted from here)
+    # perf_counter when its host work began, or (queued once the step before was committed) when
+    # that step was read back: what the step costs is counted from here
+    start: float
     logits: torch.Tensor | None = None  # [B, W, V] kept for rows that read logprobs
     generators: dict[int, torch.Tensor] = field(default_factory=dict)  # id(seq) -> state before it
 

@@ -7,9 +7,12 @@ of theirs is queued, and a seeded request's draws."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from decoding.async_engine import AsyncEngine
+from decoding.batch import Verifying
 from decoding.engine import Engine
 from tests.decoding.test_batch import PROMPTS, alone, request, run_batch, run_with_one_leaving
 
@@ -207,9 +210,9 @@ def test_a_row_ending_at_its_max_tokens_does_not_hold_the_others_back(tiny_model
     late = []
     speculate_ahead = Engine._speculate_ahead
 
-    def counted(self, rows):  # type: ignore[no-untyped-def]
+    def counted(self, rows, read_at):  # type: ignore[no-untyped-def]
         before = dict(self._ahead)
-        speculate_ahead(self, rows)
+        speculate_ahead(self, rows, read_at)
         late.extend(name for name in self._ahead if self._ahead[name] is not before.get(name))
 
     monkeypatch.setattr(Engine, "_speculate_ahead", counted)
@@ -225,3 +228,33 @@ def test_a_row_ending_at_its_max_tokens_does_not_hold_the_others_back(tiny_model
         assert run_batch(engine, reqs) == expected
         queued_late[name] = len(late)
     assert queued_late["staggered"] == queued_late["together"]
+
+
+def test_a_step_queued_after_a_commit_costs_from_the_read_before_it(tiny_models, monkeypatch):
+    """A speculative step launched once the step before is committed is costed from when that step
+    was read back, not from its own launch: the device waits through the commit and the launch,
+    and a controller that missed that time chose k = 1 steps that cost more than plain ones."""
+    reads: list[float] = []
+    starts: list[float] = []
+    results = Verifying.results
+    speculate_ahead = Engine._speculate_ahead
+
+    def read(self):  # type: ignore[no-untyped-def]
+        out = results(self)
+        reads.append(time.perf_counter())
+        return out
+
+    def queued(self, rows, read_at):  # type: ignore[no-untyped-def]
+        launched = time.perf_counter()
+        speculate_ahead(self, rows, read_at)
+        ahead = self._ahead.get(rows[0].target.name)
+        if ahead is not None and ahead.batch.width > 1:
+            starts.append(ahead.start)
+            assert reads[-1] <= ahead.start < launched
+
+    monkeypatch.setattr(Verifying, "results", read)
+    monkeypatch.setattr(Engine, "_speculate_ahead", queued)
+    reqs = [request(tiny_models, p, "draft", 4) for p in PROMPTS[:3]]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    assert run_batch(overlapping(tiny_models), reqs) == expected
+    assert starts, "no speculative step was queued after a commit"
