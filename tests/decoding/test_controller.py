@@ -113,7 +113,6 @@ def test_probes_come_a_period_after_speculation_went_off_and_space_out():
     assert [i for i, k in enumerate(ks) if k] == [4, 12, 28]
 
 
-
 def test_a_probe_measures_and_switches_speculation_on_only_past_the_margin():
     """While off, a probe turn drafts whatever the estimates say (it is how they get measured) but
     leaves speculation off unless it pays by on_margin, as any other step: a probe that paid on
