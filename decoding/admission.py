@@ -125,6 +125,8 @@ def new_sequence(
     seq.stats.prompt_tokens = len(request.prompt_token_ids)
     seq.stats.drafter = drafter.name if drafter else "none"
     seq.shaping = shaping(target, request)  # [shaping]
+    if request.params.prompt_logprobs is not None:
+        seq.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
     if seq.shaping is not None and isinstance(drafter, DraftModelDrafter):
         drafter.shape = seq.shaping.draft  # [shaping] the draft's logits get the bias and mask too
     return seq

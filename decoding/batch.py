@@ -11,6 +11,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from decoding.runner import as_ids
+from decoding.sampling import Scored
 from decoding.sequence import Sequence
 from decoding.timing import PendingRead, StepTimer
 
@@ -101,6 +102,9 @@ class QueuedStep:
     start: float
     logits: torch.Tensor | None = None  # [B, W, V] kept for rows that read logprobs
     generators: dict[int, torch.Tensor] = field(default_factory=dict)  # id(seq) -> state before it
+    # the prompt chunks beside it that are scored (SamplingParams.prompt_logprobs): (sequence, the
+    # tokens scored, their scores); read with the step's results
+    prompt_scores: list[tuple[Sequence, list[int], Scored]] = field(default_factory=list)
 
     def undo(self, seqs: list[Sequence]) -> None:
         for s in seqs:

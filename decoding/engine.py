@@ -34,12 +34,17 @@ from decoding.params import (
     TokenLogprob,
 )
 from decoding.runner import Want, as_ids, forward_many
-from decoding.sampling import apply_penalties, logprobs_of, probs_from_logits
+from decoding.sampling import Scored, apply_penalties, logprobs_of, probs_from_logits, score
 from decoding.sequence import LoadedModel, Sequence
 from decoding.timing import PendingRead, StepTimer
 from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 
 Timing = Literal["wall", "none"]  # what a step's cost sample is (Engine._commit_step)
+
+# The most prompt tokens a step feeds a sequence whose prompt is scored (SamplingParams.prompt_logprobs):
+# its chunk's logits are [T, V], ~150 MB at V = 152k in float32 (and as much again for their
+# log-softmax), scored and dropped within the step
+SCORED_CHUNK = 256
 
 
 class Engine:
@@ -124,6 +129,11 @@ class Engine:
         # a step that also prefilled is no sample of a decode step's cost
         timing: Timing = "none" if any(n for _, n in chunks) else "wall"
         outs = self._commit_step(step, decoding, results, timing)
+        for s, targets, scored in step.prompt_scores:  # read back with the step's results
+            assert s.prompt_logprobs is not None
+            s.prompt_logprobs += [
+                TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(targets, scored.read(), strict=True)
+            ]
         elapsed = time.perf_counter() - t0
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
@@ -180,13 +190,33 @@ class Engine:
         batch = DecodeBatch.build(
             [s.tokens[-1] for s in decoding], [p.tokens if p is not None else None for p in proposals], device
         )
-        logits = self._forward(decoding, batch, chunks)  # [B, W, V]
+        logits, prompt_logits = self._forward(decoding, batch, chunks)  # [B, W, V]; [T, V] per chunk
         verifying = self._verify(decoding, proposals, batch, logits)
         timer.stop()
+        prompt_scores = self._score_prompts(chunks, prompt_logits)  # their [T, V] logits go here
         # the logits [B, W, V] outlive the call only where a row reads logprobs from them (at N = 64
         # and W = 9 they are 175 MB in bf16, and the next step's are allocated before these are freed)
         kept = logits if any(s.request.params.logprobs is not None for s in decoding) else None
-        return QueuedStep(list(decoding), batch, verifying, timer, start, kept, generators)
+        return QueuedStep(list(decoding), batch, verifying, timer, start, kept, generators, prompt_scores)
+
+    @staticmethod
+    def _score_prompts(
+        chunks: list[tuple[Sequence, int]], logits: dict[int, torch.Tensor]
+    ) -> list[tuple[Sequence, list[int], Scored]]:
+        """The scores of the prompt tokens each scored chunk predicts, still on the device: a chunk
+        fed at positions [p, p + n) scores the tokens at [p + 1, p + n] (row j's logits are the
+        distribution of the token after it), so the prompt's last token is scored by its last chunk
+        and the first by none."""
+        out = []
+        for s, n in chunks:
+            if id(s) not in logits:
+                continue
+            top_n = s.request.params.prompt_logprobs
+            assert top_n is not None
+            p = s.runner.length - n  # the chunk is in the cache already
+            targets = s.tokens[p + 1 : p + n + 1]
+            out.append((s, targets, score(logits[id(s)], as_ids(targets, logits[id(s)].device), top_n)))
+        return out
 
     def _commit_step(
         self,
@@ -298,7 +328,7 @@ class Engine:
         timer = StepTimer(rows[0].target.device)
         timer.mark()
         start = time.perf_counter()
-        logits = self._forward(rows, batch, [])
+        logits, _ = self._forward(rows, batch, [])
         verifying = self._verify(rows, [None] * B, batch, logits)
         self._ahead[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
         timer.stop()
@@ -364,6 +394,8 @@ class Engine:
         for s in prefilling:
             todo = len(s.tokens) - 1 - s.runner.length
             n = todo if budget is None else min(todo, max(budget, 0))
+            if s.prompt_logprobs is not None:
+                n = min(n, SCORED_CHUNK)
             if n <= 0 < todo:
                 continue  # over budget this step: its turn comes
             if budget is not None:
@@ -373,9 +405,10 @@ class Engine:
 
     def _forward(
         self, decoding: list[Sequence], batch: DecodeBatch, chunks: list[tuple[Sequence, int]]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The target's one pass: decoding rows and prefill chunks; logits of the decoding rows
-        [B, W, V] (padding rows past a row's k hold garbage, never read)."""
+        [B, W, V] (padding rows past a row's k hold garbage, never read), and of each chunk of a
+        prompt that is scored (SamplingParams.prompt_logprobs), [T, V] by id of its sequence."""
         runners = [s.runner for s in decoding]
         model = getattr(runners[0], "batch_model", None) if runners else None
         exact = {bool(getattr(r, "exact", False)) for r in runners}
@@ -388,17 +421,19 @@ class Engine:
         if batched and not todo:
             assert model is not None
             starts = [r.advance(1 + k) for r, k in zip(runners, batch.n_drafts, strict=True)]  # type: ignore[attr-defined]
-            return model.forward_batch([r.slot for r in runners], starts, batch.ids, exact.pop())  # type: ignore[attr-defined]
+            logits = model.forward_batch([r.slot for r in runners], starts, batch.ids, exact.pop())  # type: ignore[attr-defined]
+            return logits, {}
         rows = [batch.ids[b, : 1 + k] for b, k in enumerate(batch.n_drafts)]
         wants: list[Want] = ["all"] * len(rows)
         for s, n in todo:
             runners.append(s.runner)
             rows.append(as_ids(s.tokens[s.runner.length : s.runner.length + n], s.target.device))
-            wants.append("none")
+            wants.append("none" if s.prompt_logprobs is None else "prompt")
         out = forward_many(runners, rows, wants) if runners else []
+        scored = {id(s): t for (s, _), t in zip(todo, out[len(decoding) :], strict=True) if t is not None}
         if not decoding:
-            return batch.ids.new_zeros(0, 1, 1, dtype=torch.float)
-        return pad_sequence([t for t in out[: len(decoding)] if t is not None], batch_first=True)
+            return batch.ids.new_zeros(0, 1, 1, dtype=torch.float), scored
+        return pad_sequence([t for t in out[: len(decoding)] if t is not None], batch_first=True), scored
 
     def _costs(self, seq: Sequence) -> BatchCosts:
         return self.costs.setdefault(seq.target.name, BatchCosts())
@@ -507,12 +542,14 @@ class Engine:
             seq.counts.index_add_(0, idx, torch.ones_like(idx))
         seq.stats.completion_tokens = seq.completion_tokens
         seq.finished = finish
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # the first output carries them
         return StepOutput(
             request_id=req.request_id,
             token_ids=new_list,
             drafted=kk,
             accepted=n,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=finish,
             stats=seq.stats if finish else None,
         )

@@ -217,7 +217,12 @@ class LlamaCppModel(PooledSlots):
         """Several sequences' rows; each row's logits as its ``Row.logits`` asks: [T, V], [1, V] or
         None. One llama_decode for all of them, except in exact mode, where each row decodes on its
         own: llama.cpp splits a multi-sequence batch into per-sequence slices whose rounding moved
-        with the batch's shape (measured: 6 + 6 tokens differed, 5 + 5 and 7 + 7 did not)."""
+        with the batch's shape (measured: 6 + 6 tokens differed, 5 + 5 and 7 + 7 did not).
+
+        In exact mode a row that wants every position's logits is at most ``exact_step`` tokens (a
+        verification), except a scored prompt's chunk ("prompt"): it decodes whole, as an unscored
+        chunk does, so its cache is the same bits and the completion after it too; only its
+        logits, which are reported and never verified, round as a multi-row step does."""
         for r in rows:
             T = int(r.tokens.shape[0])
             assert r.start + T <= self.max_len, (
@@ -236,15 +241,15 @@ class LlamaCppModel(PooledSlots):
         flat: list[tuple[int, int, int, bool]] = []  # (token, position, slot, wants logits)
         for r in rows:
             T = int(r.tokens.shape[0])
+            every = r.logits in ("all", "prompt")
             for j, t in enumerate(r.tokens.tolist()):
-                flat.append(
-                    (int(t), r.start + j, r.slot, r.logits == "all" or (r.logits == "last" and j == T - 1))
-                )
+                flat.append((int(t), r.start + j, r.slot, every or (r.logits == "last" and j == T - 1)))
         logits = self._decode(flat) if flat else torch.zeros(0, self.n_vocab)  # [outputs, V]
         result: list[torch.Tensor | None] = []
         at = 0
         for r in rows:
-            n = {"all": int(r.tokens.shape[0]), "last": 1, "none": 0}[r.logits]
+            T = int(r.tokens.shape[0])
+            n = {"all": T, "prompt": T, "last": 1, "none": 0}[r.logits]
             result.append(logits[at : at + n] if n else None)
             at += n
         return result

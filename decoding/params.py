@@ -33,10 +33,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob plus N alternatives
+    # None: none; N >= 0: each prompt token's logprob given the tokens before it, plus N alternatives
+    # (legacy completions' echo with logprobs; StepOutput.prompt_logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and n < 0:
+                raise ValueError(f"{name} must be >= 0, got {n}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
@@ -198,6 +205,9 @@ class StepOutput:
     drafted: int = 0
     accepted: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # on a request's first output where SamplingParams.prompt_logprobs asked for them: one per prompt
+    # token, log p(token | the tokens before it); the first is None (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None  # set on the final output
     error: str | None = None  # set with finish_reason ERROR

@@ -28,7 +28,10 @@ def as_ids(tokens: Tokens, device: torch.device) -> torch.Tensor:
     return torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
 
 
-Want = Literal["all", "last", "none"]  # which positions' logits a row returns
+# Which positions' logits a row returns: every position's, the last one's, none; "prompt": every
+# position's, to score a prompt's tokens (StepOutput.prompt_logprobs), which are reported and never
+# verified, so exact mode need not compute them as one-token steps would (decoding.llamacpp)
+Want = Literal["all", "last", "none", "prompt"]
 
 
 @dataclass

@@ -7,6 +7,8 @@ draft distribution p and the target distribution q are both the *processed* dist
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from decoding.params import SamplingParams
@@ -66,20 +68,37 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@dataclass
+class Scored:
+    """Tokens' log-probabilities under the raw model distribution (as OpenAI and vLLM report them),
+    still on the device: the [T, V] log-softmax they came from is not kept."""
+
+    chosen: torch.Tensor  # [T] float32, each token's logprob
+    top_values: torch.Tensor  # [T, N] float32, the N best logprobs, best first
+    top_ids: torch.Tensor  # [T, N] long, their token ids
+
+    def read(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """(logprob, [(token_id, logprob)] best first) per token, on the host."""
+        chosen = self.chosen.tolist()
+        if self.top_ids.shape[-1] == 0:
+            return [(c, []) for c in chosen]
+        vals, ids = self.top_values.tolist(), self.top_ids.tolist()
+        return [(c, list(zip(ids[t], vals[t], strict=True))) for t, c in enumerate(chosen)]
+
+
+def score(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> Scored:
+    """``tokens`` [T] scored by ``logits`` [T, V] (row t is the distribution token t was drawn from),
+    with the ``top_n`` best alternatives of each row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    chosen = lp.gather(-1, tokens[:, None]).squeeze(-1)  # [T]
+    top = torch.topk(lp, top_n, dim=-1)  # [T, N]
+    return Scored(chosen, top.values, top.indices)
+
+
 def logprobs_of(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     top_n: int,  # [T, V], [T]
 ) -> list[tuple[float, list[tuple[int, float]]]]:
     """Log-probabilities of the raw model distribution (as OpenAI and vLLM report them)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
-    chosen = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-    out: list[tuple[float, list[tuple[int, float]]]] = []
-    if top_n > 0:
-        top = torch.topk(lp, top_n, dim=-1)
-        vals, ids = top.values.tolist(), top.indices.tolist()
-        for t, c in enumerate(chosen):
-            out.append((c, list(zip(ids[t], vals[t], strict=True))))
-    else:
-        out = [(c, []) for c in chosen]
-    return out
+    return score(logits, tokens, top_n).read()

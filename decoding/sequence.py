@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.constraints import Shaping
 from decoding.controller import SpecController
 from decoding.drafters import Drafter
-from decoding.params import FinishReason, GenerationRequest, RequestStats
+from decoding.params import FinishReason, GenerationRequest, RequestStats, TokenLogprob
 from decoding.runner import EagerRunner, SequenceRunner
 
 RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
@@ -61,6 +61,9 @@ class Sequence:
     prefill_cost: float = 0.0  # seconds of prefill steps, in proportion to this sequence's tokens in each
     finished: FinishReason | None = None
     shaping: Shaping | None = None  # logit_bias and grammar (decoding/constraints.py); None: neither
+    # the prompt's tokens scored so far (SamplingParams.prompt_logprobs; None: not asked for), until
+    # the first output carries them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
