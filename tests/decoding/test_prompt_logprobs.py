@@ -154,3 +154,64 @@ def test_prompt_logprobs_in_a_batch_equal_alone(tiny_models):
             assert y.token_id == x.token_id and y.logprob == pytest.approx(x.logprob, abs=1e-5)
             assert [t for t, _ in y.top] == [t for t, _ in x.top]
 
+
+# ---- llama.cpp: a scored prompt's chunk is wider than exact mode's step --------------------------
+
+try:
+    import llama_cpp  # noqa: F401
+
+    HAVE_LLAMACPP = True
+except ImportError:
+    HAVE_LLAMACPP = False
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_models, tmp_path_factory):
+    if not HAVE_LLAMACPP:
+        pytest.skip(
+            "llama-cpp-python is not installed (the llamacpp extra: pip install 'specgate[llamacpp]')"
+        )
+    from tests.decoding.tiny_gguf import write_gguf
+
+    return write_gguf(tiny_models["tiny"], tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def on_llamacpp(tiny_models, path, flash_attn: bool) -> dict[str, LoadedModel]:
+    """The tiny target on llama.cpp in exact mode. Weights as they ship (repack=False): a repacking
+    build with AMX kernels would first check them in a child process on this model, whose head size
+    (16) q8_0 cannot hold; an f32 cache for the same reason. Flash attention rounds q and k to f16
+    on the CPU, so only without it are the scores the transformers model's to 1e-3."""
+    from decoding.llamacpp import GGUFInfo, LlamaCppModel
+
+    tiny = tiny_models["tiny"]
+    llama = LlamaCppModel(path, 512, 2, repack=False, kv_type="f32", flash_attn=flash_attn)
+    info = GGUFInfo(llama, tiny.model.config)
+    model = LoadedModel("llama", info, tiny.tokenizer, max_context=512, eos_token_ids=tiny.eos_token_ids)  # type: ignore[arg-type]
+    model.runner_factory, model.draft_runner_factory = llama.runner, llama.draft_runner  # type: ignore[assignment]
+    return {"llama": model}
+
+
+@pytest.mark.parametrize("budget", [None, 5])
+def test_llamacpp_scores_a_prompt_wider_than_its_exact_step(tiny_models, tiny_gguf, budget):
+    models = on_llamacpp(tiny_models, tiny_gguf, flash_attn=False)
+    ids = [(7 * i + 3) % 250 for i in range(40)]
+    seq = Engine(models).start(request("llama", ids))
+    assert seq.runner.max_step_tokens is not None and seq.runner.max_step_tokens < 39  # exact mode
+    seq.release()
+    outs = outputs(Engine(models), request("llama", ids, prompt_logprobs=TOP), budget)
+    check_scores(outs[0].prompt_logprobs, tiny_models["tiny"], ids, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["off", "ngram"])
+def test_llamacpp_scoring_the_prompt_leaves_the_completion_alone(tiny_models, tiny_gguf, mode):
+    """A scored chunk decodes whole, as an unscored one does: the cache, and so the completion and
+    its logprobs, are the same bits."""
+    models = on_llamacpp(tiny_models, tiny_gguf, flash_attn=True)
+    engine = Engine(models)
+    ids = tiny_models["tiny"].tokenizer(PROMPTS[1] * 2)["input_ids"]
+    plain = outputs(engine, request("llama", ids, mode, max_tokens=16, logprobs=1))
+    scored = outputs(engine, request("llama", ids, mode, max_tokens=16, logprobs=1, prompt_logprobs=1))
+    assert scored[0].prompt_logprobs is not None and len(scored[0].prompt_logprobs) == len(ids)
+    a = [(x.token_id, x.logprob) for o in plain for x in o.logprobs or []]
+    b = [(x.token_id, x.logprob) for o in scored for x in o.logprobs or []]
+    assert a == b and len(a) == 16
