@@ -67,6 +67,15 @@ class LogprobEntry:
 
 
 @dataclass
+class PromptLogprobs:
+    """A prompt's tokens scored (legacy completions' echo with logprobs): the first token has no
+    logprob and no alternatives (nothing predicts it), every later one is in ``rest``."""
+
+    first: str
+    rest: list[LogprobEntry]
+
+
+@dataclass
 class ToolCallDelta:
     """One piece of one tool call: its first (``id`` and ``name`` set, ``arguments`` "") or an
     ``arguments`` fragment. The fragments of one ``index`` concatenate to the call's arguments."""
@@ -87,6 +96,8 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" on the last delta of a choice
     completion_tokens: int = 0  # tokens this delta accounts for (usage)
     tool_calls: list[ToolCallDelta] | None = None  # call pieces after ``text``, in order
+    # echo with logprobs: the choice's prompt scored, on a delta of its own before the choice's first
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -96,6 +107,9 @@ class Generation:
     prompt_tokens: int
     deltas: AsyncIterator[Delta]
     prompt_texts: list[str] = field(default_factory=list)  # completion echo: one per prompt
+    # completion echo with logprobs: each choice's first delta is its prompt's logprobs
+    # (Delta.prompt_logprobs), which the streamed echo waits for
+    echo_logprobs: bool = False
     speculative: dict[str, Any] | None = None  # filled by the backend once every choice finished
 
     def __aiter__(self) -> AsyncIterator[Delta]:

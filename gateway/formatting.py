@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any
 
-from gateway.backends import Delta, Generation, LogprobEntry
+from gateway.backends import Delta, Generation, LogprobEntry, PromptLogprobs
 from gateway.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -194,7 +194,19 @@ class ChatFormat(_Formatter):
         return whole
 
 
+def _append(lp: CompletionLogprobs, e: LogprobEntry, offset: int) -> None:
+    lp.tokens.append(e.token)
+    lp.token_logprobs.append(e.logprob)
+    lp.top_logprobs.append(dict(e.top))
+    lp.text_offset.append(offset)
+
+
 class CompletionFormat(_Formatter):
+    """Legacy completions. With ``echo`` each choice's text begins with its prompt; with echo and
+    logprobs the prompt's tokens lead the choice's logprobs too (the first one's logprob and
+    alternatives null), and a stream's echo chunk, which carries them, waits for the choice's first
+    delta (``Generation.echo_logprobs``: the backend scores the prompt)."""
+
     prefix = "cmpl-"
     envelope = Completion
 
@@ -203,42 +215,60 @@ class CompletionFormat(_Formatter):
         self.n = n
         self.echo = echo
         self.offsets = [0] * choices  # text_offset of the next token, per choice
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * choices
+        self.held: list[str | None] = [None] * choices  # a streamed echo waiting for its logprobs
 
     def _prompt_text(self, gen: Generation, index: int) -> str:
         return gen.prompt_texts[index // self.n] if self.echo else ""
 
-    def _lp(self, index: int, entries: list[LogprobEntry] | None) -> CompletionLogprobs | None:
-        if entries is None:
+    def fold(self, d: Delta) -> None:
+        super().fold(d)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[d.index] = d.prompt_logprobs
+
+    def _lp(
+        self, index: int, entries: list[LogprobEntry] | None, prompt: PromptLogprobs | None = None
+    ) -> CompletionLogprobs | None:
+        """The choice's logprobs object: ``prompt``'s tokens, then ``entries``. Offsets are where each
+        token starts in the choice's text: the prompt's from 0, by their lengths summed (as vLLM
+        counts them; they add up to the echo unless a character is split across tokens, each piece
+        decoding as U+FFFD), the completion's from the end of the echo."""
+        if entries is None and prompt is None:
             return None
-        offsets = []
-        for e in entries:
-            offsets.append(self.offsets[index])
+        lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        if prompt is not None:
+            lp.tokens.append(prompt.first)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            lp.text_offset.append(0)
+            at = len(prompt.first)
+            for e in prompt.rest:
+                _append(lp, e, at)
+                at += len(e.token)
+        for e in entries or []:
+            _append(lp, e, self.offsets[index])
             self.offsets[index] += len(e.token)
-        return CompletionLogprobs(
-            tokens=[e.token for e in entries],
-            token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[dict(e.top) for e in entries],
-            text_offset=offsets,
-        )
+        return lp
 
     def opening(self, gen: Generation) -> list[str]:
         out = []
         for i in range(len(self.texts)):
             echo = self._prompt_text(gen, i)
             self.offsets[i] = len(echo)
-            if echo:
+            if self.echo and gen.echo_logprobs:
+                self.held[i] = echo  # sent with its prompt's logprobs, by the choice's first delta
+            elif echo:
                 out.append(self._chunk([CompletionChoice(text=echo, index=i)]))
         return out
 
     def chunks(self, d: Delta) -> list[str]:
         self.fold(d)
         out = []
-        if d.text or d.logprobs:
-            out.append(
-                self._chunk(
-                    [CompletionChoice(text=d.text, index=d.index, logprobs=self._lp(d.index, d.logprobs))]
-                )
-            )
+        echo, self.held[d.index] = self.held[d.index], None
+        if echo is not None or d.text or d.logprobs or d.prompt_logprobs:
+            lp = self._lp(d.index, d.logprobs, d.prompt_logprobs)
+            text = (echo or "") + d.text
+            out.append(self._chunk([CompletionChoice(text=text, index=d.index, logprobs=lp)]))
         if d.finish_reason is not None:
             out.append(self._chunk([CompletionChoice(text="", index=d.index, finish_reason=d.finish_reason)]))
         return out
@@ -255,7 +285,7 @@ class CompletionFormat(_Formatter):
                 CompletionChoice(
                     text=echo + text,
                     index=i,
-                    logprobs=self._lp(i, lp),
+                    logprobs=self._lp(i, lp, self.prompt_logprobs[i]),
                     finish_reason=self.finish[i] or "stop",
                 )
             )

@@ -18,8 +18,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
 from decoding.client import EngineClient, StepStream, Tokenizer
 from decoding.errors import EngineStopped
-from decoding.params import FinishReason, GenerationRequest, RequestStats, SamplingParams, StepOutput
-from gateway.backends import Delta, Generation, Job, LogprobEntry
+from decoding.params import (
+    FinishReason,
+    GenerationRequest,
+    RequestStats,
+    SamplingParams,
+    StepOutput,
+    TokenLogprob,
+)
+from gateway.backends import Delta, Generation, Job, LogprobEntry, PromptLogprobs
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher
 from gateway.errors import bad_request
 from gateway.grammars import grammar_for, template_messages
@@ -75,6 +82,8 @@ class LocalBackend:
         if job.prediction is not None:
             tok = self.engine.tokenizer(job.model)
             prediction = tuple(tok.encode(job.prediction, add_special_tokens=False))
+        # echo with logprobs: the prompt's tokens are scored too (legacy completions, as OpenAI's and vLLM's)
+        prompt_logprobs = job.logprobs if job.kind == "completion" and job.echo else None
         reqs = []
         for ids, _ in prompts:
             # no limit given: as many as fit, up to the server default (never a PromptTooLong for it)
@@ -89,6 +98,7 @@ class LocalBackend:
                     presence_penalty=job.presence_penalty,
                     frequency_penalty=job.frequency_penalty,
                     logprobs=job.logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
                 reqs.append(
                     GenerationRequest(
@@ -121,6 +131,7 @@ class LocalBackend:
         stats: list[RequestStats] = []
         gen = Generation(prompt_tokens=sum(len(ids) for ids, _ in prompts), deltas=_empty())
         gen.prompt_texts = [text for _, text in prompts]
+        gen.echo_logprobs = any(r.params.prompt_logprobs is not None for r in reqs)
         gen.deltas = _Closing(self._merge(job, tok, reqs, streams, stats, gen), streams)
         return gen
 
@@ -174,6 +185,11 @@ class LocalBackend:
             step = await steps.__anext__()
             while True:
                 _observe(seen, step)
+                if step.prompt_logprobs is not None:  # the first step's: a delta of its own, first
+                    scored = await asyncio.to_thread(
+                        _prompt_logprobs, tok, req.prompt_token_ids, step.prompt_logprobs
+                    )
+                    queue.put_nowait(Delta(index, "", prompt_logprobs=scored))
                 finish: str | None = None
                 texts: list[str] = []
                 used = 0  # tokens of this step before (and including) the one completing a stop
@@ -285,6 +301,22 @@ def _logprobs(tok: Tokenizer, step: StepOutput, used: int) -> list[LogprobEntry]
         LogprobEntry(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
         for lp in step.logprobs[:used]
     ]
+
+
+def _prompt_logprobs(tok: Tokenizer, ids: list[int], scored: list[TokenLogprob | None]) -> PromptLogprobs:
+    """The engine's prompt scores as text: every token decoded on its own, as completion tokens are
+    (``_logprobs``), in one call for the prompt's and the alternatives' distinct ids (a long prompt
+    has thousands)."""
+    distinct = sorted({*ids, *(t for s in scored if s is not None for t, _ in s.top)})
+    decoded = tok.batch_decode(
+        [[t] for t in distinct], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    text = dict(zip(distinct, decoded, strict=True))
+    rest = []
+    for s in scored[1:]:
+        assert s is not None, "only the first prompt token goes unscored"
+        rest.append(LogprobEntry(text[s.token_id], s.logprob, [(text[t], v) for t, v in s.top]))
+    return PromptLogprobs(str(text[ids[0]]), rest)
 
 
 def _split(

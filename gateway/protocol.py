@@ -253,9 +253,11 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
+    # with echo the prompt's tokens come first, and the first one's logprob and alternatives are
+    # null: nothing predicts it (as OpenAI and vLLM send it)
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]  # where each token starts in the choice's text (its echoed prompt included)
 
 
 class AssistantMessage(BaseModel):

@@ -171,6 +171,29 @@ async def test_controls_and_bad_cache_field(engine: ScriptedEngine, embedder: Se
     assert len(engine.requests) == 4
 
 
+async def test_echo_with_logprobs_is_never_answered_from_the_cache(
+    engine: ScriptedEngine, embedder: SentenceEmbedder
+) -> None:
+    """A cached answer holds no logprobs, least of all the prompt's: a completion that asks for them
+    with echo is neither looked up (the plain answer stored for the same prompt would lack them) nor
+    stored."""
+    app = app_with_cache(engine, embedder)
+    body = {"model": "fake", "prompt": "How do I reverse a list?", "temperature": 0, "max_tokens": 4}
+    async with client(app) as c:
+        await c.post("/v1/completions", json=body)
+        await drained(app)
+        assert (await c.post("/v1/completions", json=body)).headers["x-specgate-cache"].startswith("exact")
+        for stream in (False, True, False):
+            r = await c.post("/v1/completions", json={**body, "echo": True, "logprobs": 1, "stream": stream})
+            await drained(app)
+            assert r.status_code == 200 and r.headers["x-specgate-cache"] == "miss"
+            first = json.loads(sse_data(r.text)[0]) if stream else r.json()
+            lp = first["choices"][0]["logprobs"]
+            assert lp["tokens"][: len(body["prompt"])] == list(body["prompt"])
+            assert lp["token_logprobs"][0] is None and lp["token_logprobs"][1] == -1.0
+    assert len(engine.requests) == 4, "the plain answer once, and each echo with logprobs"
+
+
 async def test_gateway_serves_through_a_dead_redis(
     own_redis: RedisProcess, embedder: SentenceEmbedder
 ) -> None:

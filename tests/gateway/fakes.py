@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.errors import UnknownModel
-from decoding.params import FinishReason, GenerationRequest, RequestStats, StepOutput
+from decoding.params import FinishReason, GenerationRequest, RequestStats, StepOutput, TokenLogprob
 from decoding.tiny import byte_tokenizer
 
 
@@ -31,7 +31,8 @@ class FakeCore:
 
 @dataclass
 class ScriptedEngine:
-    """Every request gets the scripted steps (token ids per step); ``fail`` ends with an engine error."""
+    """Every request gets the scripted steps (token ids per step); ``fail`` ends with an engine error.
+    A request that asks for prompt logprobs gets made-up ones (each token at -1.0) on its first step."""
 
     script: list[list[int]]
     fail: str | None = None
@@ -81,9 +82,17 @@ class ScriptedEngine:
             yield StepOutput(
                 request.request_id,
                 ids,
+                prompt_logprobs=_scored(request) if i == 0 else None,
                 finish_reason=FinishReason.LENGTH if last else None,
                 stats=stats if last else None,
             )
+
+
+def _scored(request: GenerationRequest) -> list[TokenLogprob | None] | None:
+    n = request.params.prompt_logprobs
+    if n is None:
+        return None
+    return [None] + [TokenLogprob(t, -1.0, ((t, -1.0),)[:n]) for t in request.prompt_token_ids[1:]]
 
 
 def token_ids(text: str) -> list[int]:

@@ -113,7 +113,14 @@ def test_completions_echo_logprobs_and_list_prompt(client: openai.OpenAI) -> Non
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].text.startswith("abc") and r.choices[1].text.startswith("xyz")
     lp = r.choices[0].logprobs
-    assert lp is not None and len(lp.tokens or []) == 5 and all(len(t) <= 2 for t in lp.top_logprobs or [])
+    # the prompt's 3 byte-level tokens lead the 5 completion tokens; nothing predicts the first
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs and lp.top_logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3 + 5
+    assert (
+        lp.tokens[:3] == ["a", "b", "c"] and lp.text_offset is not None and lp.text_offset[:4] == [0, 1, 2, 3]
+    )
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])  # type: ignore[arg-type]
     streamed = list(
         client.completions.create(
             model="tiny", prompt="abc", max_tokens=5, temperature=0, echo=True, stream=True
