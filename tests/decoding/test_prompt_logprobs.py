@@ -215,3 +215,39 @@ def test_llamacpp_scoring_the_prompt_leaves_the_completion_alone(tiny_models, ti
     a = [(x.token_id, x.logprob) for o in plain for x in o.logprobs or []]
     b = [(x.token_id, x.logprob) for o in scored for x in o.logprobs or []]
     assert a == b and len(a) == 16
+
+
+# ---- CUDA: the static backend's chunk graphs take logit-free chunks only ------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["cuda_graphs", "compile"])
+def test_graphed_backends_score_prompts_beside_graphed_steps(tiny_models, backend):
+    """A scored chunk runs the eager plan (StaticModel._chunk_graph_fits), a short one (at most
+    the graph width) with the decode rows; the scores are the model's own and the rows beside
+    them decode as they do alone."""
+    spec = ModelSpec(
+        "g", "tiny-random", dtype="float32", device="cuda", backend=backend, max_context=512, slots=4
+    )
+    models = load_all([spec])
+    engine = Engine(models)
+    decoding = request("g", list(range(30, 70)), max_tokens=24)
+    alone = [t for o in outputs(engine, decoding) for t in o.token_ids]
+    scored = [request("g", [(5 * i + 1) % 250 for i in range(n)], prompt_logprobs=TOP) for n in (60, 5)]
+    seqs = [engine.start(decoding)]
+    got: dict[str, list[StepOutput]] = {r.request_id: [] for r in [decoding, *scored]}
+    step = 0
+    while seqs:
+        if step == 3:  # the decoding row is past its prompt: the scored ones join beside it
+            seqs += [engine.start(r) for r in scored]
+        for s, o in zip(list(seqs), engine.step_batch(seqs, prefill_budget=16), strict=True):
+            if o is not None:
+                got[o.request_id].append(o)
+                if o.finish_reason is not None:
+                    seqs.remove(s)
+                    s.release()
+        step += 1
+    assert [t for o in got[decoding.request_id] for t in o.token_ids] == alone
+    for r in scored:
+        check_scores(got[r.request_id][0].prompt_logprobs, tiny_models["tiny"], r.prompt_token_ids, atol=1e-4)
