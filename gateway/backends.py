@@ -106,7 +106,8 @@ class Generation:
 
     prompt_tokens: int
     deltas: AsyncIterator[Delta]
-    prompt_texts: list[str] = field(default_factory=list)  # completion echo: one per prompt
+    # completion echo: one per prompt; none where the deltas' text carries the echo (a remote upstream's)
+    prompt_texts: list[str] = field(default_factory=list)
     # completion echo with logprobs: each choice's first delta is its prompt's logprobs
     # (Delta.prompt_logprobs), which the streamed echo waits for
     echo_logprobs: bool = False

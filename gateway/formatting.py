@@ -217,9 +217,12 @@ class CompletionFormat(_Formatter):
         self.offsets = [0] * choices  # text_offset of the next token, per choice
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * choices
         self.held: list[str | None] = [None] * choices  # a streamed echo waiting for its logprobs
+        self.carried = False  # the generation's text carries its own echo (set with the generation)
 
     def _prompt_text(self, gen: Generation, index: int) -> str:
-        return gen.prompt_texts[index // self.n] if self.echo else ""
+        """The echo this format adds: none where the generation's text carries its own (a remote
+        upstream's: it was sent ``echo``, and ``prompt_texts`` is empty)."""
+        return gen.prompt_texts[index // self.n] if self.echo and gen.prompt_texts else ""
 
     def fold(self, d: Delta) -> None:
         super().fold(d)
@@ -232,7 +235,8 @@ class CompletionFormat(_Formatter):
         """The choice's logprobs object: ``prompt``'s tokens, then ``entries``. Offsets are where each
         token starts in the choice's text: the prompt's from 0, by their lengths summed (as vLLM
         counts them; they add up to the echo unless a character is split across tokens, each piece
-        decoding as U+FFFD), the completion's from the end of the echo."""
+        decoding as U+FFFD), the completion's from the end of the echo, or, where the text carries
+        its own echo (a remote upstream's), on from the prompt's tokens."""
         if entries is None and prompt is None:
             return None
         lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
@@ -245,12 +249,15 @@ class CompletionFormat(_Formatter):
             for e in prompt.rest:
                 _append(lp, e, at)
                 at += len(e.token)
+            if self.carried:
+                self.offsets[index] = at
         for e in entries or []:
             _append(lp, e, self.offsets[index])
             self.offsets[index] += len(e.token)
         return lp
 
     def opening(self, gen: Generation) -> list[str]:
+        self.carried = self.echo and not gen.prompt_texts
         out = []
         for i in range(len(self.texts)):
             echo = self._prompt_text(gen, i)
@@ -277,6 +284,7 @@ class CompletionFormat(_Formatter):
         return self._chunk([], self.usage(gen))
 
     def whole(self, gen: Generation) -> dict[str, Any]:
+        self.carried = self.echo and not gen.prompt_texts
         choices = []
         for i, (text, lp) in enumerate(zip(self.texts, self.logprobs, strict=True)):
             echo = self._prompt_text(gen, i)

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.backends import Delta, Generation, Job, LogprobEntry, ToolCallDelta
+from gateway.backends import Delta, Generation, Job, LogprobEntry, PromptLogprobs, ToolCallDelta
 from gateway.errors import APIError
 from router.upstream import UpstreamClient, UpstreamError, UpstreamStream
 
@@ -57,13 +57,35 @@ def _body(job: Job) -> dict[str, Any]:
 def _logprobs(choice: dict[str, Any]) -> list[LogprobEntry] | None:
     lp = choice.get("logprobs")
     if not isinstance(lp, dict) or not isinstance(lp.get("content"), list):
-        return None  # chat logprobs only; completion logprobs from upstreams are dropped
+        return None  # chat logprobs (a completion's: _completion_logprobs)
     return [
         LogprobEntry(
             e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e.get("top_logprobs") or []]
         )
         for e in lp["content"]
     ]
+
+
+def _completion_logprobs(choice: dict[str, Any]) -> tuple[list[LogprobEntry] | None, PromptLogprobs | None]:
+    """A legacy completion chunk's logprobs ({tokens, token_logprobs, top_logprobs, text_offset}) as
+    entries; with echo the choice's first token has a null logprob, which becomes the start of a
+    prompt's logprobs (the rest of the chunk's tokens stay entries: an upstream's echo chunk may
+    hold the first completion tokens too, and the formatter lists both alike). The upstream's
+    offsets are not kept: the formatter counts them as it does for local generations."""
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
+        return None, None
+    values, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+    entries, first = [], None
+    for i, token in enumerate(lp["tokens"]):
+        value = values[i] if i < len(values) else None
+        top = tops[i] if i < len(tops) else None
+        if value is None:
+            if i == 0:
+                first = str(token)
+            continue  # nothing predicts it
+        entries.append(LogprobEntry(str(token), float(value), list((top or {}).items())))
+    return entries, None if first is None else PromptLogprobs(first, [])
 
 
 def _tool_calls(delta: dict[str, Any]) -> list[ToolCallDelta] | None:
@@ -136,12 +158,13 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                     if job.kind == "completion"
                     else (choice.get("delta") or {}).get("content")
                 )
-                d = Delta(
-                    int(choice.get("index", 0)), text or "", _logprobs(choice), choice.get("finish_reason")
-                )
+                d = Delta(int(choice.get("index", 0)), text or "", None, choice.get("finish_reason"))
                 if job.kind == "chat":
+                    d.logprobs = _logprobs(choice)
                     d.tool_calls = _tool_calls(choice.get("delta") or {})
-                if not d.text and d.finish_reason is None and not d.tool_calls:
+                else:  # with echo the text and logprobs begin with the upstream's echoed prompt
+                    d.logprobs, d.prompt_logprobs = _completion_logprobs(choice)
+                if not (d.text or d.finish_reason or d.tool_calls or d.logprobs or d.prompt_logprobs):
                     continue  # the role chunk: our formatter writes its own
                 d.completion_tokens = 1 if d.text else 0
                 counted += d.completion_tokens

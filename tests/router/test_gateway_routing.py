@@ -65,6 +65,49 @@ def test_easy_prompts_stay_local_and_explicit_models_skip_routing(servers: tuple
     assert headers["x-specgate-route"].startswith("tier=explicit; model=tiny; strategy=auto")
 
 
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_remote_completion_echo_is_the_upstreams(
+    servers: tuple[Server, Server], logprobs: int | None
+) -> None:
+    """A legacy completion with echo routed to the remote tier: the upstream echoes the prompt in its
+    text (the gateway adds none of its own) and, asked for logprobs, scores it; both pass through as
+    the upstream sent them, streamed or not."""
+    upstream, gateway = servers
+    body: dict[str, Any] = {"prompt": HARD, "max_tokens": 4, "temperature": 0, "echo": True}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    direct = httpx.post(upstream.base_url + "/completions", json={**body, "model": "tiny"}, timeout=60).json()
+    r = httpx.post(gateway.base_url + "/completions", json={**body, "model": "auto"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-specgate-route"].startswith("tier=remote; model=tiny")
+    want, got = direct["choices"][0], r.json()["choices"][0]
+    assert got["text"] == want["text"] and got["text"].startswith(HARD)
+    with httpx.stream(
+        "POST", gateway.base_url + "/completions", json={**body, "model": "auto", "stream": True}, timeout=60
+    ) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    chunks = [c["choices"][0] for c in events if c["choices"]]
+    assert "".join(c["text"] for c in chunks) == want["text"]
+    if logprobs is None:
+        assert got["logprobs"] is None and all(c["logprobs"] is None for c in chunks)
+        return
+    assert want["logprobs"]["token_logprobs"][0] is None and len(want["logprobs"]["tokens"]) == len(HARD) + 4
+    streamed: dict[str, list[Any]] = {k: [] for k in want["logprobs"]}
+    for c in chunks:
+        for k, v in (c["logprobs"] or {}).items():
+            streamed[k].extend(v)
+    for lp in (got["logprobs"], streamed):
+        assert (
+            lp["tokens"] == want["logprobs"]["tokens"]
+            and lp["text_offset"] == want["logprobs"]["text_offset"]
+        )
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:], abs=1e-5)
+        assert [sorted(t) for t in lp["top_logprobs"][1:]] == [
+            sorted(t) for t in want["logprobs"]["top_logprobs"][1:]
+        ]
+
+
 def test_dead_upstream_falls_back_to_the_local_tier(servers: tuple[Server, Server]) -> None:
     upstream, gateway = servers
     stop_server(upstream)  # SIGKILL
