@@ -111,10 +111,13 @@ def test_scoring_the_prompt_leaves_the_completion_alone(tiny_models, mode):
     assert [x.logprob for x in b] == pytest.approx([x.logprob for x in a], abs=1e-5)
 
 
-def test_prompt_logprobs_in_a_batch_equal_alone(tiny_models):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_logprobs_in_a_batch_equal_alone(tiny_models, overlap):
     """Scored prompts joining a batch at different steps, chunked by a small budget beside rows that
-    speculate and rows whose prompts are not scored: each prompt's scores are those it gets alone."""
+    speculate and rows whose prompts are not scored, with steps queued ahead or not: each prompt's
+    scores are those it gets alone."""
     engine = Engine(tiny_models)
+    engine.overlap = overlap
     tok = tiny_models["tiny"].tokenizer
     reqs = [
         request("tiny", tok(PROMPTS[0])["input_ids"], "draft", prompt_logprobs=TOP),
@@ -140,6 +143,7 @@ def test_prompt_logprobs_in_a_batch_equal_alone(tiny_models):
                 if o.finish_reason is not None:
                     running.pop(o.request_id).release()  # type: ignore[attr-defined]
         step += 1
+    assert (engine.ahead_steps > 0) == overlap
     for r in reqs:
         solo, got = alone[r.request_id], batched[r.request_id]
         assert [t for o in got for t in o.token_ids] == [t for o in solo for t in o.token_ids]
