@@ -253,5 +253,5 @@ def test_graphed_backends_score_prompts_beside_graphed_steps(tiny_models, backen
                     s.release()
         step += 1
     assert [t for o in got[decoding.request_id] for t in o.token_ids] == alone
-    for r in scored:
-        check_scores(got[r.request_id][0].prompt_logprobs, tiny_models["tiny"], r.prompt_token_ids, atol=1e-4)
+    for r in scored:  # against the CPU model: float32 sums in another order (the H200: 1.2e-4 off at -4.9)
+        check_scores(got[r.request_id][0].prompt_logprobs, tiny_models["tiny"], r.prompt_token_ids, atol=1e-3)
