@@ -142,9 +142,11 @@ def render(path: str) -> None:
         "Greedy outputs with speculation are compared with speculation off at the same N: in bf16 (fast mode) a "
         "verification row and a 1-token row may round apart where the top two logits tie, so a difference there is "
         "a tie, not a lost guarantee; the float32 tests (`tests/decoding/test_batch.py`, `test_gpu.py`) require "
-        "identity. In exact mode too outputs part at some N: rows finish at different steps with speculation, so "
-        "the batch's GEMMs run at another M than in the plain run, and cuBLAS picks its kernel by M (exact mode is "
-        "width-invariant; attention is batch-invariant too). `batch_invariant: true` makes the rest so, at a price:",
+        "identity. Exact mode is width-invariant, not batch-invariant: rows finish at different steps with "
+        "speculation, and a batch that drops to a smaller graph bucket runs its GEMMs at another M, whose cuBLAS "
+        "kernel rounds a row differently; the exact runs here keep their starting bucket as rows finish "
+        "(`StaticModel.exact_min_rows`, the padding's cost in their times), so their rows compute as the plain "
+        "run's do. `batch_invariant: true` makes a row's bits independent of the rest of the batch, at a price:",
     ]
     lines += _invariant(Path(path).with_name("results_gpu_batch_invariant.json"), E)
     lines += ["", f"![aggregate tok/s by N]({PLOT.name})"]
