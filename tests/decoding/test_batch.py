@@ -12,7 +12,7 @@ import torch
 
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
-from decoding.params import FinishReason, GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.params import FinishReason, GenerationRequest, SamplingParams, SpecMode, SpecParams, StepOutput
 from decoding.runner import Row, forward_many
 from decoding.static import StaticModel
 
@@ -36,8 +36,9 @@ def request(models, prompt, mode="off", k=4, adaptive=False, **params) -> Genera
     return GenerationRequest(f"r{next(_ids)}", "tiny", ids, SamplingParams(**params), spec)
 
 
-def run_batch(engine, requests, join_at=None, budget=None) -> dict[str, list[int]]:
-    """Drive Engine.step_batch by hand: request i joins at step join_at[i]; each leaves when done."""
+def run_batch_outputs(engine, requests, join_at=None, budget=None) -> dict[str, list[StepOutput]]:
+    """Drive Engine.step_batch by hand: request i joins at step join_at[i]; each leaves when done.
+    Each request's outputs, in order."""
     join_at = join_at or [0] * len(requests)
     waiting = sorted(zip(join_at, range(len(requests)), requests, strict=True))
     running, out = {}, {r.request_id: [] for r in requests}
@@ -51,11 +52,17 @@ def run_batch(engine, requests, join_at=None, budget=None) -> dict[str, list[int
             for o in engine.step_batch(seqs, budget):
                 if o is None:
                     continue
-                out[o.request_id].extend(o.token_ids)
+                out[o.request_id].append(o)
                 if o.finish_reason is not None:
                     running.pop(o.request_id).release()
         step += 1
     return out
+
+
+def run_batch(engine, requests, join_at=None, budget=None) -> dict[str, list[int]]:
+    """run_batch_outputs' tokens per request."""
+    outs = run_batch_outputs(engine, requests, join_at, budget)
+    return {rid: [t for o in got for t in o.token_ids] for rid, got in outs.items()}
 
 
 def alone(engine, r) -> list[int]:

@@ -14,6 +14,7 @@ from decoding.engine import SCORED_CHUNK, Engine
 from decoding.loader import ModelSpec, load_all
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams, StepOutput, TokenLogprob
 from decoding.sequence import LoadedModel
+from tests.decoding.test_batch import run_batch_outputs
 
 TOP = 3
 PROMPTS = [
@@ -127,22 +128,7 @@ def test_prompt_logprobs_in_a_batch_equal_alone(tiny_models, overlap):
         request("tiny", tok(PROMPTS[1] * 3)["input_ids"], "draft", prompt_logprobs=2, max_tokens=4),
     ]
     alone = {r.request_id: outputs(engine, r) for r in reqs}
-    join_at = [0, 0, 2, 3, 3]
-    waiting = sorted(zip(join_at, range(len(reqs)), reqs, strict=True))
-    running: dict[str, object] = {}
-    batched: dict[str, list[StepOutput]] = {r.request_id: [] for r in reqs}
-    step = 0
-    while waiting or running:
-        while waiting and waiting[0][0] <= step:
-            r = waiting.pop(0)[2]
-            running[r.request_id] = engine.start(r)
-        seqs = list(running.values())
-        for o in engine.step_batch(seqs, prefill_budget=9):  # type: ignore[arg-type]
-            if o is not None:
-                batched[o.request_id].append(o)
-                if o.finish_reason is not None:
-                    running.pop(o.request_id).release()  # type: ignore[attr-defined]
-        step += 1
+    batched = run_batch_outputs(engine, reqs, join_at=[0, 0, 2, 3, 3], budget=9)
     assert (engine.ahead_steps > 0) == overlap
     for r in reqs:
         solo, got = alone[r.request_id], batched[r.request_id]
