@@ -227,7 +227,8 @@ class Engine:
     ) -> dict[int, StepOutput | None]:
         """The outcome of each of ``rows`` (``step``'s rows still running; ``results`` theirs), and
         the step's costs for the controllers. The costs are the step's wall time since its host
-        work began, host work included (it is what throughput pays; a speculative step's ~2 ms of
+        work began (``QueuedStep.start``: for a step queued after a commit, the read-back before
+        it), host work included (it is what throughput pays; a speculative step's ~2 ms of
         it at N = 4 on the H200 decides whether a k pays), less the device time of a draft's
         catch-up it waited for (``timer.lead``), split between draft and target as the device's
         events split them; ``timing`` "none": not a sample (acceptance still counts)."""
