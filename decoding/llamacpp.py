@@ -89,14 +89,16 @@ def amx_build(lib: Any) -> bool:
     return b"AMX_INT8 = 1" in lib.llama_print_system_info()
 
 
-def amx_works(lib: Any, path: Path) -> bool:
+def amx_works(lib: Any, path: Path) -> bool | None:
     """Whether this build's AMX kernels run: on the 2-core AMX Xeon lent here, llama-cpp-python 0.3.36
     built by GCC 12 crashed the process (segmentation fault) in the first ``llama_decode`` of a prompt
     with them on. That is upstream's open bug (llama.cpp issue 20824; PR 26954: GCC drops the stores
     to the tile configuration on the stack before ``_tile_loadconfig`` reads it). Built with
     ``-fno-dse -fno-tree-dse`` (the Makefile's flags) they ran and matched one-token steps bit for bit.
     A crash cannot be caught in-process, so a child process decodes ``path`` with them once per build
-    of the library; the verdict is kept under the store's home."""
+    of the library; the verdict is kept under the store's home. None, and nothing kept, where the
+    child failed without a crash (an error exit: the model did not load, say) or hung: that says
+    nothing of the kernels, and a kept "crashes" would turn them off for this build for good."""
     libdir = Path(lib.__file__).parent
     build = sorted(
         (str(f.relative_to(libdir)), f.stat().st_size, f.stat().st_mtime_ns) for f in libdir.rglob("*.so*")
@@ -105,12 +107,20 @@ def amx_works(lib: Any, path: Path) -> bool:
     verdict = store.home() / "llamacpp" / f"amx-{key}.json"
     if verdict.exists():
         return bool(json.loads(verdict.read_text())["works"])
-    child = subprocess.run(
-        [sys.executable, "-m", "decoding.llamacpp", "--amx-check", str(path)],
-        capture_output=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    try:
+        child = subprocess.run(
+            [sys.executable, "-m", "decoding.llamacpp", "--amx-check", str(path)],
+            capture_output=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+    except subprocess.TimeoutExpired:
+        log.warning("llama.cpp's AMX check did not finish in 600 s: no verdict kept")
+        return None
+    if child.returncode > 0:  # an error, not a signal
+        tail = (child.stderr or b"").decode(errors="replace").strip().splitlines()[-1:]
+        log.warning("llama.cpp's AMX check failed (exit %d: %s): no verdict kept", child.returncode, tail)
+        return None
     works = child.returncode == 0
     verdict.parent.mkdir(parents=True, exist_ok=True)
     verdict.write_text(json.dumps({"works": works, "returncode": child.returncode, "library": str(libdir)}))
@@ -149,11 +159,15 @@ class LlamaCppModel(PooledSlots):
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
         amx = repack and amx_build(lib)
-        if amx and not (amx_checked or amx_works(lib, path)):
+        works = True if not amx or amx_checked else amx_works(lib, path)
+        if works is False:
             log.warning(
                 "llama.cpp's AMX kernels crash in this build: weights are not repacked (rebuild with "
                 "`make install`'s LLAMACPP_CMAKE_ARGS for them; decoding.llamacpp.amx_works)"
             )
+        if works is None:
+            log.warning("llama.cpp's AMX kernels could not be checked: weights are not repacked this time")
+        if not works:
             repack = amx = False
         mp.use_extra_bufts = repack
         self.held = "amx" if amx else "repacked" if repack else "plain"  # a key of EXACT_STEP and HELD

@@ -285,3 +285,32 @@ def test_the_amx_verdict_is_taken_once_per_build_of_the_library(monkeypatch, tmp
     assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is False
     assert len(runs) == 1 and runs[0][-2:] == ["--amx-check", str(tmp_path / "m.gguf")]
     assert list((tmp_path / "llamacpp").glob("amx-*.json"))
+
+
+@needs_llamacpp
+def test_an_amx_check_that_fails_without_a_crash_keeps_no_verdict(monkeypatch, tmp_path):
+    """A child that exits with an error (its model did not load) or hangs says nothing of the
+    kernels: no verdict (None), none kept, and the next load checks again."""
+    import subprocess
+
+    from decoding import llamacpp
+
+    monkeypatch.setenv("SPECGATE_HOME", str(tmp_path))
+    outcomes = [subprocess.TimeoutExpired(["x"], 600), 1, 0]
+    runs: list[list[str]] = []
+
+    def child(args, **_):  # type: ignore[no-untyped-def]
+        runs.append(args)
+        out = outcomes[len(runs) - 1]
+        if isinstance(out, BaseException):
+            raise out
+        return subprocess.CompletedProcess(args, out, stdout=b"", stderr=b"ValueError: no model")
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", child)
+    lib = llamacpp._lib()
+    assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is None
+    assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is None
+    assert not list((tmp_path / "llamacpp").glob("amx-*.json"))
+    assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is True
+    assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is True
+    assert len(runs) == 3
