@@ -277,11 +277,11 @@ class BatchCosts:
     realised_fade: float = 0.97  # per plain step
     realised_min: float = 3.0
     # Hysteresis: once no k paid (``off``), speculation turns on again only where it beats plain by
-    # ``on_margin``, on a probe turn too (a probe drafts 2 to measure and stays off). While off no speculative step updates the rows' acceptance
-    # estimates, and plain steps fade the realised discount: a marginal gain on paper then rests on
-    # estimates that stopped being measured, and switching on for it reset the probes' backoff (in
-    # bench.sim_controller's parted drafts, a k = 1 step every ~16 plain ones where the backoff
-    # would have spaced the probes 32-128 apart).
+    # ``on_margin``, on a probe turn too (a probe drafts 2 to measure and stays off). While off no
+    # speculative step updates the rows' acceptance estimates, and plain steps fade the realised
+    # discount: a marginal gain on paper then rests on estimates that stopped being measured, and
+    # switching on for it reset the probes' backoff (in bench.sim_controller's parted drafts, a k = 1
+    # step every ~16 plain ones where the backoff would have spaced the probes 32-128 apart).
     on_margin: float = 1.1
     off: bool = False
     off_steps: int = 0  # steps since speculation went off or was last probed

@@ -115,11 +115,15 @@ def amx_works(lib: Any, path: Path) -> bool | None:
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
     except subprocess.TimeoutExpired:
-        log.warning("llama.cpp's AMX check did not finish in 600 s: no verdict kept")
+        log.warning("llama.cpp's AMX check did not finish in 600 s: AMX off for this load, no verdict kept")
         return None
     if child.returncode > 0:  # an error, not a signal
         tail = (child.stderr or b"").decode(errors="replace").strip().splitlines()[-1:]
-        log.warning("llama.cpp's AMX check failed (exit %d: %s): no verdict kept", child.returncode, tail)
+        log.warning(
+            "llama.cpp's AMX check failed (exit %d: %s): AMX off for this load, no verdict kept",
+            child.returncode,
+            tail,
+        )
         return None
     works = child.returncode == 0
     verdict.parent.mkdir(parents=True, exist_ok=True)
@@ -165,9 +169,7 @@ class LlamaCppModel(PooledSlots):
                 "llama.cpp's AMX kernels crash in this build: weights are not repacked (rebuild with "
                 "`make install`'s LLAMACPP_CMAKE_ARGS for them; decoding.llamacpp.amx_works)"
             )
-        if works is None:
-            log.warning("llama.cpp's AMX kernels could not be checked: weights are not repacked this time")
-        if not works:
+        if not works:  # None: the check itself failed (amx_works said why)
             repack = amx = False
         mp.use_extra_bufts = repack
         self.held = "amx" if amx else "repacked" if repack else "plain"  # a key of EXACT_STEP and HELD
