@@ -277,18 +277,12 @@ class Engine:
         return seq.request.params.max_tokens - seq.completion_tokens <= in_flight
 
     @staticmethod
-    def _chains(seq: Sequence, in_flight: int) -> bool:
-        """Whether a row's next step can be queued before the host sees the ``in_flight`` steps not
-        yet read back: it is plain, its input is the token those steps chose (nothing the host must
-        first see: a grammar, penalty counts, logprobs read from a step's logits), and max_tokens
-        cannot end it before."""
+    def _chains(seq: Sequence) -> bool:
+        """Whether a row's next step can be queued before the host sees the steps not yet read back:
+        it is plain, its input is the token those steps chose (nothing the host must first see: a
+        grammar, penalty counts, logprobs read from a step's logits)."""
         params = seq.request.params
-        return (
-            seq.shaping is None
-            and not params.penalised
-            and params.logprobs is None
-            and params.max_tokens - seq.completion_tokens > in_flight
-        )
+        return seq.shaping is None and not params.penalised and params.logprobs is None
 
     def _planned_ks(self, decoding: list[Sequence]) -> list[int]:
         """This step's k per row: chosen when the last step was queued (_launch_ahead), if for these
@@ -309,11 +303,11 @@ class Engine:
         this step is committed)."""
         if not rows or not self._overlaps(rows[0]):
             return
-        at = list(range(len(rows))) if pick is None else pick
-        going = [(i, s) for i, s in zip(at, rows, strict=True) if not self._ends(s, in_flight)]
-        if len(going) < len(rows):
+        if any(self._ends(s, in_flight) for s in rows):
+            at = range(len(rows)) if pick is None else pick
+            going = [(i, s) for i, s in zip(at, rows, strict=True) if not self._ends(s, in_flight)]
             pick, rows = [i for i, _ in going], [s for _, s in going]
-        if not rows or not all(self._chains(s, in_flight) for s in rows):
+        if not rows or not all(self._chains(s) for s in rows):
             return
         name = rows[0].target.name
         ks = self._choose_ks(rows, pending=in_flight)
