@@ -13,6 +13,14 @@ from typing import NamedTuple
 
 EMA = 0.3  # weight of the newest observation
 
+# Speculation that is off is not probed, nor switched on, for rows with fewer tokens than this left
+# to emit (their mean, in a batch): what the probe would learn could not repay its cost. A probe from
+# off runs the draft over the backlog of every plain step since the last one (on the H200 at N = 32,
+# 255 tokens a row, a probe cost 22 ms, five plain steps), and even speculation found to pay 1.5x
+# saves a third of the steps left. bench.probe_auto_fast nosync 32 (2026-12-02, 20:07 UTC): the run's
+# one probe came 8 steps before its rows ended.
+MIN_LEFT_TO_PROBE = 32
+
 
 # A sample this many times the estimate counts as this many times it: one stall (a graph captured on
 # first use, a collector pause) must not outweigh the steps around it for the next dozen steps.
@@ -68,8 +76,8 @@ class SpecController:
     def acceptance(self) -> float:
         return self.accepted_w / (self.accepted_w + self.rejected_w)
 
-    def choose_k(self) -> int:
-        """0 means a plain step."""
+    def choose_k(self, left: int | None = None) -> int:
+        """0 means a plain step; ``left``: tokens the request may still emit (None: unknown)."""
         self.steps += 1
         if not self.speculate:
             return 0
@@ -80,7 +88,8 @@ class SpecController:
         if self.hopeless():
             return 0
         if self.switched_off:
-            if self.off_steps < self.probe_every or self.hopeless():
+            near_end = left is not None and left < MIN_LEFT_TO_PROBE
+            if self.off_steps < self.probe_every or near_end or self.hopeless():
                 self.off_steps += 1
                 return 0
             self.switched_off, self.off_steps = False, 0
@@ -432,18 +441,21 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     (``BatchCosts.best_k``, which ``costs`` measures for the rows' target); rows with a fixed k keep
     it. A row drafting with a model drafts nothing in the step that gives its first token: that token
     does not wait for its draft to take in the prompt (as a request alone, whose first step is plain),
-    and the draft catches up when it first drafts."""
+    and the draft catches up when it first drafts. Speculation that is off stays off for rows near
+    their ends (MIN_LEFT_TO_PROBE)."""
     batched = len(rows) >= 2
     shared = [batched and r.drafts and r.controller.speculate and r.controller.adaptive for r in rows]
     first = [on and r.model and r.emitted == 0 for r, on in zip(rows, shared, strict=True)]
     sharing = [r for r, on, f in zip(rows, shared, first, strict=True) if on and not f]
     k_shared = 0
     if sharing:
-        k_shared = costs.best_k(
-            [(r.controller.acceptance, r.model, r.controller.k_max) for r in sharing],
-            max(r.controller.draft_cost_prior for r in sharing),
-            probe=costs.probe_turn(),
-        )
+        probe = costs.probe_turn()
+        if not costs.off or sum(r.left for r in sharing) >= MIN_LEFT_TO_PROBE * len(sharing):
+            k_shared = costs.best_k(
+                [(r.controller.acceptance, r.model, r.controller.k_max) for r in sharing],
+                max(r.controller.draft_cost_prior for r in sharing),
+                probe=probe,
+            )
     ks = []
     for r, on, f in zip(rows, shared, first, strict=True):
         if not r.drafts or f:
@@ -451,6 +463,6 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
         elif on:
             k = min(k_shared, r.controller.k_max)
         else:
-            k = r.controller.choose_k()
+            k = r.controller.choose_k(r.left)
         ks.append(max(0, min(k, r.left - 1)))
     return ks

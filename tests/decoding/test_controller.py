@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import random
 
-from decoding.controller import BatchCosts, KRow, Population, SpecController, choose_ks, expected_tokens
+from decoding.controller import (
+    MIN_LEFT_TO_PROBE,
+    BatchCosts,
+    KRow,
+    Population,
+    SpecController,
+    choose_ks,
+    expected_tokens,
+)
 
 
 def drive(c: SpecController, steps: int, accept_all: bool, t_draft: float, t_target: float) -> list[int]:
@@ -127,6 +135,39 @@ def test_a_probe_measures_and_switches_speculation_on_only_past_the_margin():
     ks = [costs.best_k(marginal, 0.1, probe=costs.probe_turn()) for _ in range(6)]
     assert [bool(k) for k in ks] == [False, True, False, False, False, True] and costs.off
     assert costs.best_k([(0.8, True, 4)] * 4, 0.1, probe=False) > 0 and not costs.off
+
+
+def test_speculation_that_is_off_is_not_probed_for_rows_near_their_ends():
+    """A probe from off pays the draft's catch-up over every plain step since the last one (22 ms at
+    N = 32 on the H200, five plain steps); rows with fewer than MIN_LEFT_TO_PROBE tokens left could
+    not repay it, so the probe turn waits for rows that can (a request joining), and a request alone
+    does the same."""
+    costs = BatchCosts(probe_period=2)
+    for _ in range(3):
+        costs.observe(4, 4, 0, 0.0, 0.005)
+    costs.observe(4, 12, 2, 0.003, 0.0055)
+
+    def rows(left: int) -> list[KRow]:
+        out = []
+        for _ in range(4):
+            c = SpecController(k_max=8)
+            c.accepted_w, c.rejected_w = 0.05, 0.95
+            out.append(KRow(c, True, True, 40, left))
+        return out
+
+    ending = rows(MIN_LEFT_TO_PROBE - 1)
+    assert choose_ks(ending, costs) == [0] * 4 and costs.off
+    assert [choose_ks(ending, costs) for _ in range(6)] == [[0] * 4] * 6  # probe turns come and pass
+    young = rows(100)
+    assert choose_ks(young, costs) == [2] * 4  # the turn, waiting, goes to rows that can repay it
+
+    alone = SpecController(k_max=8, probe_every=2, min_probe_every=2)
+    alone.observe(0, 0, 0.0, 0.005)
+    alone.observe(2, 0, 0.003, 0.0055)
+    for _ in range(4):
+        alone.observe(2, 0, 0.003, 0.0055)
+    assert [alone.choose_k(left=10) for _ in range(6)] == [0] * 6 and alone.switched_off
+    assert alone.choose_k(left=100) > 0  # the probe, due since the third of those steps
 
 
 # GPU-like costs of one request alone (bench.sim_controller's H200 table): a draft pass costs about a
