@@ -36,7 +36,7 @@ from decoding.drafters import DraftModelDrafter, Proposal
 from decoding.engine import Engine, LoadedModel
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 from decoding.runner import EagerRunner
-from decoding.static import StaticModel
+from decoding.static import StaticModel, without_split_k
 
 # Qwen2.5-7B and Qwen2.5-0.5B shapes (their config.json). The draft takes the target's vocabulary
 # size (152064 vs 151936): a pair must share one, and the 128 extra rows change nothing measurable.
@@ -67,7 +67,12 @@ ACCEPTANCE = (0.6, 0.7, 0.8, 0.9)
 REPEATS = 3
 
 
-def build(shape: dict[str, Any], seed: int) -> Qwen2ForCausalLM:
+def build(shape: dict[str, Any], seed: int, default_cublas: bool = False) -> Qwen2ForCausalLM:
+    """A model of ``shape`` with random weights. Unless ``default_cublas``, cuBLAS is asked for no
+    split-K first, as the engine's loader asks (decoding.static.without_split_k): it holds for the
+    whole process, so a baseline that should run as torch configures it runs in a process of its own."""
+    if not default_cublas:
+        without_split_k()
     torch.manual_seed(seed)
     cfg = Qwen2Config(**shape, torch_dtype=torch.bfloat16)
     with torch.device("cuda"):

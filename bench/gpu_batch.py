@@ -16,7 +16,9 @@ Measured, in one run:
      continuation corrupted to acceptance 0.8; k = 4) and auto (the same drafter, adaptive k and the
      batch-aware cap), in exact mode, and auto in fast mode against fast off; on and auto outputs
      checked against off, token for token;
-  2. transformers' static-cache batched ``generate`` at the same N (prefill included, as above);
+  2. transformers' static-cache batched ``generate`` at the same N (prefill included, as above), in a
+     process of its own with cuBLAS as torch configures it (this one asks for no split-K, as the
+     engine's loader does: decoding.static.without_split_k);
   3. p50/p99 inter-token latency of 16 decoding streams while a 4,000-token prompt is prefilled.
 """
 
@@ -25,8 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -39,7 +46,7 @@ from decoding.drafters import DraftModelDrafter, _Drafting
 from decoding.engine import Engine, LoadedModel
 from decoding.graphs import BATCH_BUCKETS, batch_bucket
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
-from decoding.static import StaticModel
+from decoding.static import NO_SPLIT_K, StaticModel
 
 PROMPT, NEW = 128, 128
 LONG_PROMPT = 4000
@@ -197,6 +204,33 @@ def hf_generate_tps(model, N: int, ids: torch.Tensor) -> list[float]:  # type: i
     return runs
 
 
+def transformers_baseline(ns: list[int]) -> dict[str, Any]:
+    """``hf_generate_tps`` at each N in a child process (``--transformers-only``) whose cuBLAS keeps
+    torch's workspace: the split-K setting is per process, and the baseline runs as a user runs it."""
+    env = {k: v for k, v in os.environ.items() if k not in NO_SPLIT_K}
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "transformers.json")
+        argv = ["--transformers-only", "--ns", ",".join(map(str, ns)), "--out", out]
+        subprocess.run([sys.executable, "-m", "bench.gpu_batch", *argv], env=env, check=True)
+        with open(out) as f:
+            return dict(json.load(f))
+
+
+def transformers_only(ns: list[int], out: str) -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # as the engine's run
+    target = build(TARGET, 0, default_cublas=True)
+    prompts = torch.randint(0, 150000, (max(ns) + 1, PROMPT), generator=torch.Generator().manual_seed(0))
+    R: dict[str, Any] = {"transformers_tps": {}, "transformers_runs": {}}
+    for N in ns:
+        try:
+            runs = hf_generate_tps(target, N, prompts)
+            R["transformers_tps"][N], R["transformers_runs"][N] = max(runs), runs
+        except Exception as exc:
+            R["transformers_tps"][N] = repr(exc)[:200]
+        print(f"transformers N={N}: {R['transformers_tps'][N]}", flush=True)
+        save(R, out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results_gpu_batch.json")
@@ -204,11 +238,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without inductor")
     ap.add_argument("--ns", help="comma-separated N to run (default: all, or up to 16 with --quick)")
     ap.add_argument("--report", help="render a saved JSON into docs/benchmarks.md and stop")
+    ap.add_argument("--transformers-only", action="store_true", help="stage 2 alone (its child process)")
     args = ap.parse_args(argv)
     if args.report:
         from bench.report_gpu_batch import render
 
         render(args.report)
+        return
+    ns = [n for n in NS if n <= 16] if args.quick else list(NS)
+    if args.ns:
+        ns = [int(n) for n in args.ns.split(",")]
+    if args.transformers_only:
+        transformers_only(ns, args.out)
         return
     wall = time.perf_counter()
     R: dict[str, Any] = {
@@ -235,9 +276,6 @@ def main(argv: list[str] | None = None) -> None:
         2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     )
     R["kv_bytes_per_token"] = kv_row
-    ns = [n for n in NS if n <= 16] if args.quick else list(NS)
-    if args.ns:
-        ns = [int(n) for n in args.ns.split(",")]
     slots = max(ns) + 2
     t0 = time.perf_counter()
     compiled = not args.no_compile
@@ -377,17 +415,14 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         ae.shutdown()
 
-    # 2. transformers' static batched generate at the same N
+    # 2. transformers' static batched generate at the same N, in a process of its own
     if not args.quick:
-        R["transformers_tps"] = {}
-        for N in ns:
-            try:
-                runs = hf_generate_tps(target, N, prompts)
-                R["transformers_tps"][N], R.setdefault("transformers_runs", {})[N] = max(runs), runs
-            except Exception as exc:
-                R["transformers_tps"][N] = repr(exc)[:200]
-            print(f"transformers N={N}: {R['transformers_tps'][N]}", flush=True)
-            save(R, args.out)
+        try:
+            R.update(transformers_baseline(ns))
+        except subprocess.CalledProcessError as exc:
+            R["transformers_tps"] = {N: repr(exc)[:200] for N in ns}
+        print(f"transformers: {R['transformers_tps']}", flush=True)
+        save(R, args.out)
     R["wall_s"] = time.perf_counter() - wall
     save(R, args.out)
 

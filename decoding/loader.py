@@ -126,6 +126,10 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     device = pick_device(spec.device)
     if use_llamacpp(spec, device):
         return load_llamacpp(spec, pull)
+    if device.type == "cuda":
+        from decoding.static import without_split_k
+
+        without_split_k()  # before the process's first matmul on the GPU (decoding.static.NO_SPLIT_K)
     where, gguf = resolve(spec.source, pull=pull)
     dtype = pick_dtype(spec.dtype, device)
     kwargs = {"gguf_file": gguf} if gguf else {}

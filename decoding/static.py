@@ -25,6 +25,7 @@ The layer's math and the weight fusion are ``decoding.layers``, the graphs' buff
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,26 @@ from decoding.layers import (
     layer_weights,
 )
 from decoding.runner import EXACT_WIDTH, FreeSlots, PooledSlots, Row, SlotRunner, StepRows, Tokens, as_ids
+
+# cuBLAS runs a decode step's skinny GEMMs (M = the step's rows: a few to a few dozen) as split-K
+# kernels where it has a workspace: a partial product and a reduce, two kernels a GEMM, and how K is split
+# follows M, so a verification row (M = B x (k+1)) rounds apart from the same row in a 1-token step.
+# Without a workspace cuBLAS cannot split K. On the H200 (bench.profile_step, bench.gpu_batch --quick,
+# 2026-12-02 ~21:10 UTC) the 7B-shaped target's 1-token step went from 4.98 to 4.64 ms (355 -> 298
+# kernels), the 0.5B draft's stayed at 1.32-1.34 ms, plain decode at N = 16 went from 3070 to 3140
+# tok/s, and greedy speculation in fast mode came out identical to plain decoding at N = 4 and 16
+# (before, 15 of 16 rows parted from it at bf16 ties, and the replay's drafts stopped matching).
+NO_SPLIT_K = {"CUBLASLT_WORKSPACE_SIZE": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+
+
+def without_split_k() -> dict[str, str]:
+    """Ask cuBLAS for kernels without a workspace, so without split-K, unless the environment sizes
+    the workspace itself. torch reads these once, at the process's first cuBLAS call: call this
+    before any matmul on the GPU. Returns what it set."""
+    unset = {k: v for k, v in NO_SPLIT_K.items() if k not in os.environ}
+    os.environ.update(unset)
+    return unset
+
 
 # Dynamo settings for the compiled layer, applied only around our own calls:
 #  - no automatic dynamic shapes: the draft and target share the layer's code, and a second model's

@@ -4,6 +4,7 @@ the eager runner exactly in what it computes, and keep speculation lossless."""
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import replace
 
 import pytest
@@ -209,3 +210,17 @@ def test_biases_the_static_layer_does_not_apply_are_refused(tiny_models):
     o.bias = torch.nn.Parameter(torch.zeros(o.out_features))
     with pytest.raises(ModelLoadError, match="q/k/v biases only"):
         StaticModel(model, max_len=64, slots=1, graphs=False)
+
+
+def test_without_split_k_asks_cublas_for_no_workspace_unless_the_environment_sizes_one(monkeypatch):
+    """The loader calls it before a CUDA model's first matmul (decoding.static.NO_SPLIT_K says why);
+    a workspace the operator configured is theirs to keep."""
+    from decoding.static import NO_SPLIT_K, without_split_k
+
+    for k in NO_SPLIT_K:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert without_split_k() == {"CUBLASLT_WORKSPACE_SIZE": "0"}
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert without_split_k() == {}
