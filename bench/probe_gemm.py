@@ -50,14 +50,19 @@ def time_shape(N: int, K: int, copies: int, M: int) -> float:
         for w, o in zip(ws, outs, strict=True):
             torch.mm(x, w.t(), out=o)
 
+    return graph_time(run, copies)
+
+
+def graph_time(fn, copies: int) -> float:  # type: ignore[no-untyped-def]
+    """Microseconds per call of ``fn``'s ``copies`` products: the median of 20 replays of its graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        run()
+        fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        run()
+        fn()
     times = []
     for _ in range(20):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from bench.gpu import DRAFT, TARGET
+from bench.probe_gemm import graph_time
 from decoding.static import without_split_k
 
 MS = (1, 4, 8, 16, 36, 72)
@@ -24,26 +25,6 @@ def split_linear(x: torch.Tensor, w: torch.Tensor, s: int) -> torch.Tensor:
     xs = x.view(M, s, K // s).transpose(0, 1)  # [S, M, K/S]
     ws = w.view(w.shape[0], s, K // s).transpose(0, 1)  # [S, N, K/S]
     return torch.bmm(xs, ws.transpose(1, 2)).sum(0, dtype=torch.float32).to(x.dtype)  # [M, N]
-
-
-def graph_time(fn, copies: int) -> float:  # type: ignore[no-untyped-def]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / copies)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main() -> None:
