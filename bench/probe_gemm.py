@@ -21,6 +21,7 @@ import sys
 import torch
 
 from bench.gpu import TARGET
+from bench.probe_invariant import graph_time
 from decoding.static import NO_SPLIT_K, without_split_k
 
 MS = (1, 2, 4, 8, 16, 32, 64, 80, 144, 576)
@@ -50,28 +51,7 @@ def time_shape(N: int, K: int, copies: int, M: int) -> float:
         for w, o in zip(ws, outs, strict=True):
             torch.mm(x, w.t(), out=o)
 
-    return graph_time(run, copies)
-
-
-def graph_time(fn, copies: int) -> float:  # type: ignore[no-untyped-def]
-    """Microseconds per call of ``fn``'s ``copies`` products: the median of 20 replays of its graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
+    return graph_time(run, 1) / copies
 
 
 def m_invariant(N: int, K: int) -> bool:

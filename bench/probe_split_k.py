@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from bench.gpu import DRAFT, TARGET
-from bench.probe_gemm import graph_time
+from bench.probe_invariant import graph_time
 from decoding.static import without_split_k
 
 MS = (1, 4, 8, 16, 36, 72)
@@ -48,10 +48,10 @@ def main() -> None:
 
 def row(x: torch.Tensor, ws: list[torch.Tensor]) -> str:
     """One product per weight, then each split of K that divides it: microseconds per product."""
-    out = [f"M={x.shape[0]}: {graph_time(lambda: [torch.mm(x, w.t()) for w in ws], len(ws)):5.1f}"]
+    out = [f"M={x.shape[0]}: {graph_time(lambda: [torch.mm(x, w.t()) for w in ws], 1) / len(ws):5.1f}"]
     for s in (2, 4, 8):
         if x.shape[1] % (s * 8) == 0:
-            t = graph_time(lambda: [split_linear(x, w, s) for w in ws], len(ws))  # noqa: B023
+            t = graph_time(lambda: [split_linear(x, w, s) for w in ws], 1) / len(ws)  # noqa: B023
             out.append(f"S{s} {t:5.1f}")
     return " ".join(out)
 
