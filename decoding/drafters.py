@@ -201,20 +201,30 @@ class _Drafting:
 ProposeItem = tuple[Drafter | None, list[int], int, SamplingParams, torch.Tensor, torch.Generator | None]
 
 
-def _draft_pass(runners: list[SequenceRunner], feed: list[torch.Tensor]) -> torch.Tensor:
-    """Each row's next-token logits after feeding it its tokens: [B, V]. One decode-only step where
-    the runners share a batched model (rows padded to one width: the padding lands past each row's
-    length, where nothing reads it), else forward_many."""
+def _draft_pass(
+    runners: list[SequenceRunner], feed: list[torch.Tensor] | list[list[int]], device: torch.device
+) -> torch.Tensor:
+    """Each row's next-token logits after feeding it its tokens (on the device, or host lists, which
+    go over in one copy): [B, V]. One decode-only step where the runners share a batched model (rows
+    padded to one width: the padding lands past each row's length, where nothing reads it), else
+    forward_many."""
     model = getattr(runners[0], "batch_model", None)
-    widths = [int(f.shape[0]) for f in feed]
+    widths = [len(f) if isinstance(f, list) else int(f.shape[0]) for f in feed]
     same = all(getattr(r, "batch_model", None) is model and not getattr(r, "exact", False) for r in runners)
     if model is not None and same and max(widths) <= model.max_graph_tokens:
         starts = [r.advance(w) for r, w in zip(runners, widths, strict=True)]  # type: ignore[attr-defined]
-        ids = pad_sequence(feed, batch_first=True)  # [B, W]
+        W = max(widths)
+        if isinstance(feed[0], list):
+            host = [f + [0] * (W - len(f)) for f in feed]
+            ids = torch.tensor(host, dtype=torch.long)  # [B, W] on the host: the graph's one copy
+        else:
+            ids = pad_sequence(feed, batch_first=True)  # [B, W]
         logits = model.forward_batch([r.slot for r in runners], starts, ids)  # type: ignore[attr-defined]
-        last = as_ids(widths, ids.device) - 1
-        return logits[torch.arange(len(runners), device=ids.device), last]
-    out = forward_many(runners, feed, ["last"] * len(runners))
+        if min(widths) == W:  # one width (a step's first pass usually): a column, no index to copy
+            return logits[:, W - 1]
+        last = as_ids(widths, device) - 1
+        return logits[torch.arange(len(runners), device=device), last]
+    out = forward_many(runners, [as_ids(f, device) for f in feed], ["last"] * len(runners))
     return torch.cat([o for o in out if o is not None])
 
 
@@ -268,12 +278,13 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
         return out
     # the unseen tokens of each row (the bonus token, after a full acceptance d_k as well; a backlog
     # was absorbed by catch_up), their last position's logits drafting the first token
-    feed = [as_ids(items[i][1][d.drafter.runner.length :], d.drafter.device) for i, d in live]
+    first: list[list[int]] = [items[i][1][d.drafter.runner.length :] for i, d in live]
+    feed: list[torch.Tensor] | list[list[int]] = first
     step = 0
     while live:
-        rows = _draft_pass([d.drafter.runner for _, d in live], feed)  # [B, V]
+        rows = _draft_pass([d.drafter.runner for _, d in live], feed, live[0][1].drafter.device)  # [B, V]
         still: list[tuple[int, _Drafting]] = []
-        feed = []
+        nxt: list[torch.Tensor] = []
         # greedy rows with no penalty, confidence stop or shaping: one argmax for the batch
         plain = all(
             d.params.greedy
@@ -293,10 +304,10 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
                 go = d.drafter._pick(rows[b : b + 1], d, last)
             if go and not last:
                 still.append((i, d))
-                feed.append(d.drafted[-1])  # stays on the device (no sync unless min_confidence)
+                nxt.append(d.drafted[-1])  # stays on the device (no sync unless min_confidence)
             else:
                 out[i] = d.proposal()
-        live = still
+        live, feed = still, nxt
         step += 1
     return out
 

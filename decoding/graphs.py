@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from decoding.runner import Row, StepRows
 
@@ -50,15 +51,51 @@ class _Graph:
         self.m, self.B, self.W, self.P = m, B, W, P
         with torch.inference_mode():  # as every step's tensors are: compiled code guards on the kind
             self.step = self._buffers(m, B, W, L, m.scratch if slot < 0 else slot, P)
+            # the short rows' starts, slots and ids, [2B + B * W]: a replay copies them in (ids from the
+            # host in the same copy) and the graph derives each token's position and slot. Each small
+            # copy or kernel before a launch costs the host 10-60 us; at the start of a speculative
+            # step, after its one sync, the device waits for all of them (bench.probe_host, the H200)
+            self.rows = torch.tensor(
+                [0] * B + [m.scratch] * B + [0] * B * W, dtype=torch.long, device=m.device
+            )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (compilation, cuBLAS handles, autotuning)
+                self._derive()
                 m._step(self.step)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
+            self._derive()
             self.out = m._step(self.step)
+
+    def _derive(self) -> None:
+        """Inside the graph: the short rows' ids, token positions and slots from ``rows``."""
+        B, W = self.B, self.W
+        if not B:
+            return
+        starts, slots = self.rows[:B], self.rows[B : 2 * B]
+        self.step.ids[: B * W].copy_(self.rows[2 * B :])
+        self.step.pos[: B * W].copy_((starts[:, None] + self.m.positions[None, :W]).view(-1))
+        if B > 1 or not self.m.per_slot_graphs:  # a one-row graph per slot has its slot baked in
+            self.step.slots.copy_(slots)
+        self.step.slot_of[: B * W].copy_(slots[:, None].expand(B, W).reshape(-1))
+
+    def _set_rows(self, starts: list[int], slots: list[int], ids: torch.Tensor) -> None:
+        """The short rows' starts, slots and ``ids`` [n, W] (host or device); padding rows start at 0
+        in the scratch slot. A row shorter than W keeps stale ids after its tokens: they write past
+        its length, which nothing reads, and no other row's result depends on them."""
+        B, W, n = self.B, self.W, len(starts)
+        pad = B - n
+        host = torch.tensor([*starts, *([0] * pad), *slots, *([self.m.scratch] * pad)], dtype=torch.long)
+        tokens = self.rows[2 * B :].view(B, W)[:n, : ids.shape[1]]
+        if ids.device.type == "cpu" and ids.shape[1] == W:  # one copy for all of it
+            host = torch.cat([host, ids.reshape(-1), host.new_zeros(pad * W)])
+            self.rows.copy_(host, non_blocking=True)
+            return
+        self.rows[: 2 * B].copy_(host, non_blocking=True)
+        tokens.copy_(ids, non_blocking=True)
 
     @staticmethod
     def _buffers(m: StaticModel, B: int, W: int, L: int, s: int, P: int) -> StepRows:
@@ -82,35 +119,18 @@ class _Graph:
         return step
 
     def run(self, slots: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, W], B <= the graph's batch -> logits [B, W, V], a view of the graph's buffer."""
-        m, W, B = self.m, self.W, ids.shape[0]
-        pad = self.B - B
-        host = torch.tensor([*starts, *([0] * pad)]), torch.tensor([*slots, *([m.scratch] * pad)])
-        start_t, slot_t = (t.to(m.device, non_blocking=True) for t in host)
-        self.step.ids.view(self.B, W)[:B].copy_(ids)
-        self.step.pos.copy_((start_t[:, None] + m.positions[None, :W]).view(-1))
-        if self.B > 1 or not m.per_slot_graphs:
-            self.step.slots.copy_(slot_t)
-        self.step.slot_of.copy_(slot_t.repeat_interleave(W))
+        """ids [B, W] (host or device), B <= the graph's batch -> logits [B, W, V], a view of the
+        graph's buffer."""
+        B = ids.shape[0]
+        self._set_rows(starts, slots, ids)
         self.graph.replay()
-        return self.out.view(self.B, W, -1)[:B]
+        return self.out.view(self.B, self.W, -1)[:B]
 
     def replay(self, rows: list[Row], chunks: tuple[Row, ...] | list[Row] = ()) -> torch.Tensor:
-        m, W, BW = self.m, self.W, self.B * self.W
-        n = len(rows)
+        W, n = self.W, len(rows)
         if self.B:
-            ids = torch.zeros(self.B, W, dtype=torch.long, device=m.device)
-            starts = torch.zeros(self.B, dtype=torch.long)
-            slots = torch.full((self.B,), m.scratch, dtype=torch.long)
-            for b, r in enumerate(rows):
-                ids[b, : r.tokens.shape[0]] = r.tokens
-                starts[b], slots[b] = r.start, r.slot
-            starts, slots = starts.to(m.device, non_blocking=True), slots.to(m.device, non_blocking=True)
-            self.step.ids[:BW].copy_(ids.view(-1))
-            self.step.pos[:BW].copy_((starts[:, None] + m.positions[None, :W]).view(-1))
-            if self.B > 1 or not m.per_slot_graphs:
-                self.step.slots.copy_(slots)
-            self.step.slot_of[:BW].copy_(slots.repeat_interleave(W))
+            ids = pad_sequence([r.tokens for r in rows], batch_first=True)  # [n, T]
+            self._set_rows([r.start for r in rows], [r.slot for r in rows], ids)
         if self.P:
             self._fill_chunks(chunks)
         self.graph.replay()

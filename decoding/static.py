@@ -324,14 +324,16 @@ class StaticModel(PooledSlots):
     def forward_batch(
         self, slots: list[int], starts: list[int], ids: torch.Tensor, exact: bool = False
     ) -> torch.Tensor:
-        """The decode-only step: ``ids`` [B, W] at cache positions ``starts[b] + j`` of ``slots[b]``
-        -> logits [B, W, V], valid until this model's next forward pass (the graph's buffer)."""
+        """The decode-only step: ``ids`` [B, W] (on the device, or the host: a graph takes them in
+        one copy with the rows' places) at cache positions ``starts[b] + j`` of ``slots[b]`` -> logits
+        [B, W, V], valid until this model's next forward pass (the graph's buffer)."""
         B, T = ids.shape
         W = self.max_graph_tokens if exact else T
         if W > T:  # exact: every row at the one width
             ids = F.pad(ids, (0, W - T))
         assert max(starts) + W <= self.cache_len, "a step past the end of the static cache"
         if self.step_override is not None or self.max_graph_tokens < W:
+            ids = ids.to(self.device, non_blocking=True)
             rows = [Row(s, ids[b, :T], st) for b, (s, st) in enumerate(zip(slots, starts, strict=True))]
             return torch.stack([t for t in self.forward_rows(rows, exact) if t is not None])
         L = self._batch_len(max(starts) + W, exact)
@@ -341,7 +343,7 @@ class StaticModel(PooledSlots):
         slot_t = torch.tensor(slots).to(self.device, non_blocking=True)  # [B]
         start_t = torch.tensor(starts).to(self.device, non_blocking=True)  # [B]
         step = StepRows(
-            ids=ids.reshape(-1),
+            ids=ids.to(self.device, non_blocking=True).reshape(-1),
             pos=(start_t[:, None] + self.positions[None, :W]).view(-1),
             slot_of=slot_t.repeat_interleave(W),
             batch=B,
