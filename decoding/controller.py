@@ -233,7 +233,7 @@ class Population:
         c.accepted_w, c.rejected_w = self.weight * a, self.weight * (1 - a)
 
 
-def _pow2_bucket(n: int) -> int:
+def pow2_bucket(n: int) -> int:
     """Power-of-two bucket of a count (the cost table's key)."""
     return 1 << max(0, (n - 1).bit_length())
 
@@ -310,14 +310,14 @@ class BatchCosts:
         too is no sample of either and is not observed)."""
         if k == 0:
             self.realised_sums = [x * self.realised_fade for x in self.realised_sums]
-            b = _pow2_bucket(batch)
+            b = pow2_bucket(batch)
             self.plain[b] = _ema(self.plain.get(b), t_target)
             self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
             return
-        b = _pow2_bucket(rows)
+        b = pow2_bucket(rows)
         self.target[b] = _ema(self.target.get(b), t_target)
         if t_draft > 0:
-            d = _pow2_bucket(batch)
+            d = pow2_bucket(batch)
             self.draft[d] = _ema(self.draft.get(d), t_draft / k)
 
     def observe_goodput(
@@ -352,7 +352,7 @@ class BatchCosts:
         """A verification step of ``rows`` target rows: measured, else as a plain step of as many rows
         costs (optimistic, so an unmeasured shape is tried once and then known), and never less
         than a measured plain step of as many rows."""
-        verify, plain = _lookup(self.target, rows), self.plain.get(_pow2_bucket(rows))
+        verify, plain = _lookup(self.target, rows), self.plain.get(pow2_bucket(rows))
         if verify is None:
             return _lookup(self.plain, rows)
         return verify if plain is None else max(verify, plain)
@@ -360,7 +360,7 @@ class BatchCosts:
     def t_draft(self, batch: int) -> float | None:
         if not self.draft:
             return None
-        b = _pow2_bucket(batch)
+        b = pow2_bucket(batch)
         return self.draft.get(b) or self.draft[min(self.draft, key=lambda x: abs(x - b))]
 
     def best_k(self, rows: list[tuple[float, bool, int]], draft_cost_prior: float, probe: bool) -> int:
@@ -397,7 +397,7 @@ class BatchCosts:
             # ... judged once the plain cost has two samples: a first one may be cold (a graph
             # captured, a cache warming) and make any speculation look clearly better; by the
             # model's own rate (the discount decides whether to speculate, not how often to check)
-            trusted = self.plain_samples.get(_pow2_bucket(B), 0) >= 2
+            trusted = self.plain_samples.get(pow2_bucket(B), 0) >= 2
             clear = trusted and modelled * t_plain >= self.remeasure_margin * B
             period = self.remeasure_every * (self.remeasure_slack if clear else 1)
             if self.steps and self.steps % period == 0:
@@ -413,7 +413,7 @@ def _lookup(table: dict[int, float], n: int) -> float | None:
     largest (smallest) measured one taken as flat; None with nothing measured."""
     if not table:
         return None
-    b = _pow2_bucket(n)
+    b = pow2_bucket(n)
     if b in table:
         return table[b]
     known = sorted(table)

@@ -23,6 +23,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from decoding.controller import pow2_bucket
 from decoding.params import BatchStep, RequestStats, StepOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -62,9 +63,7 @@ ROUTES = frozenset(
 
 def batch_label(rows: int) -> str:
     """The power of two at or above ``rows``, past the largest batch bucket "256+": a bounded label."""
-    if rows > 256:
-        return "256+"
-    return str(1 << max(0, (rows - 1).bit_length()))
+    return "256+" if rows > 256 else str(pow2_bucket(rows))
 
 
 def route_label(path: str) -> str:
