@@ -278,8 +278,7 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
         return out
     # the unseen tokens of each row (the bonus token, after a full acceptance d_k as well; a backlog
     # was absorbed by catch_up), their last position's logits drafting the first token
-    first: list[list[int]] = [items[i][1][d.drafter.runner.length :] for i, d in live]
-    feed: list[torch.Tensor] | list[list[int]] = first
+    feed: list[torch.Tensor] | list[list[int]] = [items[i][1][d.drafter.runner.length :] for i, d in live]
     step = 0
     while live:
         rows = _draft_pass([d.drafter.runner for _, d in live], feed, live[0][1].drafter.device)  # [B, V]

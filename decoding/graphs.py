@@ -89,13 +89,11 @@ class _Graph:
         B, W, n = self.B, self.W, len(starts)
         pad = B - n
         host = torch.tensor([*starts, *([0] * pad), *slots, *([self.m.scratch] * pad)], dtype=torch.long)
-        tokens = self.rows[2 * B :].view(B, W)[:n, : ids.shape[1]]
         if ids.device.type == "cpu" and ids.shape[1] == W:  # one copy for all of it
-            host = torch.cat([host, ids.reshape(-1), host.new_zeros(pad * W)])
-            self.rows.copy_(host, non_blocking=True)
+            self.rows.copy_(torch.cat([host, ids.reshape(-1), host.new_zeros(pad * W)]), non_blocking=True)
             return
         self.rows[: 2 * B].copy_(host, non_blocking=True)
-        tokens.copy_(ids, non_blocking=True)
+        self.rows[2 * B :].view(B, W)[:n, : ids.shape[1]].copy_(ids, non_blocking=True)
 
     @staticmethod
     def _buffers(m: StaticModel, B: int, W: int, L: int, s: int, P: int) -> StepRows:
