@@ -1,6 +1,7 @@
 """The decoding rows of one batched step, described once (after vLLM's ``SpecDecodeMetadata``):
-built by the engine, read by the model runner and the verifier; and what comes back of a step
-(``Verifying``), and a step's queued work (``QueuedStep``), taken by a later call when launched ahead."""
+built by the engine, read by the model runner and the verifier; the step's verification, queued on
+the device, and what comes back of it (``Verifying``); and a step's queued work (``QueuedStep``),
+taken by a later call when launched ahead."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from decoding.drafters import Proposal
 from decoding.runner import as_ids
-from decoding.sampling import Scored
+from decoding.sampling import Scored, apply_penalties, probs_from_logits
 from decoding.sequence import Sequence
 from decoding.timing import PendingRead, StepTimer
+from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
 
 PAD_DRAFT = -1  # a drafted-token slot past a row's k: equal to no token, so never accepted
 
@@ -60,6 +63,48 @@ class Verifying:
     plain: list[int]
     others: list[int]
     n_drafts: list[int]  # [B]
+
+    @classmethod
+    def queue(
+        cls,
+        decoding: list[Sequence],
+        proposals: list[Proposal | None],
+        batch: DecodeBatch,
+        logits: torch.Tensor,  # [B, W, V]
+    ) -> Verifying:
+        """Verify every decoding row with the pure verifiers: greedy rows without penalties all at
+        once, the others (their own sampling parameters, generator, penalties) row by row. Queued on
+        the device; the step's one host sync (``Verifying.results``) reads every row's result."""
+        plain = [
+            b
+            for b, s in enumerate(decoding)
+            if s.request.params.greedy and not s.request.params.penalised and s.shaping is None
+        ]
+        parts: list[torch.Tensor] = []
+        if plain:
+            if len(plain) == len(decoding):
+                n_t, am = verify_greedy_batch(batch.drafts, logits)
+            else:
+                idx = as_ids(plain, logits.device)
+                n_t, am = verify_greedy_batch(batch.drafts[idx], logits[idx])
+            parts += [n_t, am.flatten()]
+        batched = set(plain)
+        others = [b for b in range(len(decoding)) if b not in batched]
+        for b in others:
+            s, prop, k = decoding[b], proposals[b], batch.n_drafts[b]
+            params = s.request.params
+            draft_tokens = batch.drafts[b, :k]
+            processed = apply_penalties(logits[b, : k + 1], s.counts, draft_tokens, params)
+            if s.shaping is not None:  # [shaping] bias + the grammar's masks along the draft path
+                processed = s.shaping.target(processed, draft_tokens)
+            if params.greedy:
+                n1, cand = verify_greedy(draft_tokens, processed)
+            else:
+                probs = probs_from_logits(processed, params)
+                n1, cand = verify_sampling(draft_tokens, prop.probs if prop else None, probs, s.generator)
+            parts += [n1[None], cand]
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=logits.device)
+        return cls(flat, PendingRead(flat), plain, others, list(batch.n_drafts))
 
     @functools.cached_property
     def offsets(self) -> list[int]:

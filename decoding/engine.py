@@ -21,7 +21,6 @@ from decoding.controller import BatchCosts, KRow, Population, choose_ks, expecte
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
-    Proposal,
     ProposeItem,
     catch_up_many,
     propose_many,
@@ -34,10 +33,9 @@ from decoding.params import (
     TokenLogprob,
 )
 from decoding.runner import Want, as_ids, forward_many
-from decoding.sampling import Scored, apply_penalties, logprobs_of, probs_from_logits, score
+from decoding.sampling import Scored, logprobs_of, score
 from decoding.sequence import LoadedModel, Sequence
-from decoding.timing import PendingRead, StepTimer
-from decoding.verify import verify_greedy, verify_greedy_batch, verify_sampling
+from decoding.timing import StepTimer
 
 Timing = Literal["wall", "none"]  # what a step's cost sample is (Engine._commit_step)
 
@@ -191,7 +189,7 @@ class Engine:
             [s.tokens[-1] for s in decoding], [p.tokens if p is not None else None for p in proposals], device
         )
         logits, prompt_logits = self._forward(decoding, batch, chunks)  # [B, W, V]; [T, V] per chunk
-        verifying = self._verify(decoding, proposals, batch, logits)
+        verifying = Verifying.queue(decoding, proposals, batch, logits)
         timer.stop()
         prompt_scores = self._score_prompts(chunks, prompt_logits)  # their [T, V] logits go here
         # the logits [B, W, V] outlive the call only where a row reads logprobs from them (at N = 64
@@ -324,7 +322,7 @@ class Engine:
         timer.mark()
         start = time.perf_counter()
         logits, _ = self._forward(rows, batch, [])
-        verifying = self._verify(rows, [None] * B, batch, logits)
+        verifying = Verifying.queue(rows, [None] * B, batch, logits)
         self._ahead[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
         timer.stop()
 
@@ -456,46 +454,6 @@ class Engine:
             for s in decoding
         ]
         return choose_ks(rows, self._costs(decoding[0]))
-
-    def _verify(
-        self,
-        decoding: list[Sequence],
-        proposals: list[Proposal | None],
-        batch: DecodeBatch,
-        logits: torch.Tensor,  # [B, W, V]
-    ) -> Verifying:
-        """Verify every decoding row with the pure verifiers: greedy rows without penalties all at
-        once, the others (their own sampling parameters, generator, penalties) row by row. Queued on
-        the device; the step's one host sync (``Verifying.results``) reads every row's result."""
-        plain = [
-            b
-            for b, s in enumerate(decoding)
-            if s.request.params.greedy and not s.request.params.penalised and s.shaping is None
-        ]
-        parts: list[torch.Tensor] = []
-        if plain:
-            if len(plain) == len(decoding):
-                n_t, am = verify_greedy_batch(batch.drafts, logits)
-            else:
-                idx = as_ids(plain, logits.device)
-                n_t, am = verify_greedy_batch(batch.drafts[idx], logits[idx])
-            parts += [n_t, am.flatten()]
-        others = [b for b in range(len(decoding)) if b not in set(plain)]
-        for b in others:
-            s, prop, k = decoding[b], proposals[b], batch.n_drafts[b]
-            params = s.request.params
-            draft_tokens = batch.drafts[b, :k]
-            processed = apply_penalties(logits[b, : k + 1], s.counts, draft_tokens, params)
-            if s.shaping is not None:  # [shaping] bias + the grammar's masks along the draft path
-                processed = s.shaping.target(processed, draft_tokens)
-            if params.greedy:
-                n1, cand = verify_greedy(draft_tokens, processed)
-            else:
-                probs = probs_from_logits(processed, params)
-                n1, cand = verify_sampling(draft_tokens, prop.probs if prop else None, probs, s.generator)
-            parts += [n1[None], cand]
-        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=logits.device)
-        return Verifying(flat, PendingRead(flat), plain, others, list(batch.n_drafts))
 
     def _commit(
         self,
