@@ -543,9 +543,7 @@ class Engine:
 
     def _truncate(self, seq: Sequence, new: list[int]) -> tuple[list[int], FinishReason | None]:
         params = seq.request.params
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(seq.target.eos_token_ids)
+        stops = seq.stops
         for i, t in enumerate(new):
             if t in stops:
                 return new[:i], FinishReason.STOP  # the stop token itself is not output

@@ -69,6 +69,15 @@ class Sequence:
     def completion_tokens(self) -> int:
         return len(self.tokens) - self.stats.prompt_tokens
 
+    @functools.cached_property
+    def stops(self) -> frozenset[int]:
+        """The token ids that end it (not output): its stop ids, and the model's EOS unless ignored
+        (built once, not per row and step)."""
+        params = self.request.params
+        return frozenset(params.stop_token_ids) | frozenset(
+            () if params.ignore_eos else self.target.eos_token_ids
+        )
+
     def release(self) -> None:
         self.runner.release()
         if self.drafter is not None:
