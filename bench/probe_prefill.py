@@ -1,7 +1,10 @@
 # ruff: noqa: B023  (closures are timed at once, inside their loop iteration)
 """Device probe: what a step that mixes decode rows with a prefill chunk costs, and where it goes.
 
-    python -m bench.probe_prefill
+    python -m bench.probe_prefill [kernels]
+
+``kernels``: instead of the table, each graphed step's device time by kernel (name, count, us), for
+16 decode rows alone and beside a 32- and a 128-token chunk: what a chunk adds to a step.
 
 On the 7B shape of ``bench.gpu`` (random weights, bf16, compiled layer halves): 16 decode rows at
 ~200 tokens of context, alone (a CUDA graph replay) and beside one prompt chunk of C tokens at
@@ -11,10 +14,14 @@ Prints a table only.
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
+
 import torch
 
 from bench.gpu import TARGET, build
 from bench.probe_batch import event_time
+from bench.probe_invariant import graph_time
 from decoding import kernels
 from decoding.runner import Row
 from decoding.static import StaticModel
@@ -24,17 +31,46 @@ ROWS = 16
 
 
 def chunk_kernel_time() -> None:
-    """The chunk kernel's device time per layer for chunks of 32 and 256 tokens at 3,000 tokens of
-    context (7B heads: 28 query, 4 kv, 128 wide)."""
+    """The chunk attention's device time per layer (partials and merge) for chunks of 32, 128 and 512
+    tokens at 3,000 tokens of context (7B heads: 28 query, 4 kv, 128 wide), at each launch shape of
+    the partial kernel (query tile, warps, pipeline stages; the first is the default), each call
+    replayed in a CUDA graph as a step runs it."""
     KV, H, HD, ctx = 4, 28, 128, 3000
     k = torch.randn(2, MAX_LEN, KV, HD, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    for T in (32, 256):
+    default = (kernels.CHUNK_TILE, kernels.CHUNK_WARPS, kernels.CHUNK_STAGES)
+    shapes = [default] + [
+        s for s in ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (32, 4, 2)) if s != default
+    ]
+    for T in (32, 128, 512):
         q = torch.randn(T, H, HD, device="cuda", dtype=torch.bfloat16)
         rows = torch.zeros(8, 4, dtype=torch.long, device="cuda")
         rows[0] = torch.tensor([1, ctx, 0, T])
-        dev, _ = event_time(lambda: kernels.chunk_attention(q, k, v, rows, HD**-0.5))
-        print(f"chunk kernel, {T} tokens at {ctx} of context: {1e3 * dev:.1f} us per layer", flush=True)
+        for tile, warps, stages in shapes:
+            us = graph_time(lambda: kernels.chunk_attention(q, k, v, rows, HD**-0.5, tile, warps, stages), 20)
+            print(
+                f"chunk attention, {T} tokens at {ctx} of context, tile {tile} warps {warps} stages {stages}:"
+                f" {us:.1f} us per layer",
+                flush=True,
+            )
+
+
+def by_kernel(what: str, f, top: int = 14) -> None:  # type: ignore[no-untyped-def]
+    """``f``'s kernels by name under the profiler (its CUDA graph replayed: each kernel shows)."""
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    n, t = Counter(), Counter()
+    for e in ks:
+        n[e.name[:90]] += 1
+        t[e.name[:90]] += e.device_time
+    print(f"== {what}: {len(ks)} kernels, {sum(t.values()) / 1e3:.2f} ms of kernel time", flush=True)
+    for name, us in t.most_common(top):
+        print(f"   {n[name]:5d} x {us / n[name]:7.1f} us = {us / 1e3:6.3f} ms  {name}", flush=True)
 
 
 def main() -> None:
@@ -57,6 +93,11 @@ def main() -> None:
         decode_rows = [Row(s, ids[s : s + 1], st) for s, st in zip(slots[:rows], starts[:rows], strict=True)]
         tm.forward_rows([*decode_rows, Row(ROWS, ids[:chunk], 3000, "none")])
 
+    if "kernels" in sys.argv[1:]:
+        by_kernel("decode, 16 rows", decode)
+        for chunk in (32, 128):
+            by_kernel(f"16 rows + chunk {chunk}", lambda: mixed(chunk))
+        return
     print("step                                   device ms   host ms", flush=True)
     dev, host = event_time(decode)
     print(f"decode, 16 rows (graph)                {dev:9.2f} {host:9.2f}", flush=True)

@@ -155,19 +155,23 @@ def decode_attention(
 
 
 # ---- prompt chunks ---------------------------------------------------------------------------------
-# A step that carries prompt chunks beside its decode rows attends each chunk with the kernel below: the
+# A step that carries prompt chunks beside its decode rows attends each chunk with the kernels below: the
 # chunk's own keys and every key before them, read from its slot of the pool like the decode kernel's,
 # so such a step needs no mask tensor and no attended-length bucket, and is captured as a CUDA graph
 # like a decode step (``StaticModel._graph``). A chunk's queries (token-major, the kv head's grouped
 # heads minor) are split into tiles, and its keys into spans of CHUNK_SPAN from position 0, one program
-# per (chunk, kv head, tile, span); the spans' partial softmaxes are then merged (flash-decoding's
-# split, Dao et al. 2023) where the chunks are short. Without the split a program walked a 3,000-token
-# context alone, 47 blocks in sequence, and a 32-token chunk cost as much per layer as a 256-token one
-# (bench.probe_prefill).
+# per (chunk, kv head, tile, span); a second kernel merges the spans' partial softmaxes (flash-decoding's
+# split, Dao et al. 2023). Without the split a program walked a 3,000-token context alone, 47 blocks in
+# sequence. The spans start at fixed positions whatever the chunk, so a query's result depends on its
+# position and its keys alone, not on the chunking (exact mode relies on it). The merge is one kernel:
+# as ~10 torch operations per layer it cost ~1.2 ms of a 16-row step beside a 128-token chunk on the
+# H200's 7B shape, as much as the attention itself (bench.probe_prefill kernels).
 
-CHUNK_TILE = 64  # queries per program
+CHUNK_TILE = 64  # query rows (token x grouped head) per program
 CHUNK_SPAN = 512  # keys per program
-CHUNK_UNSPLIT = 256  # chunk tokens from which a program takes all of a tile's keys
+CHUNK_WARPS = 4
+CHUNK_STAGES = 3
+MERGE_ROWS = 16  # (token, head) rows per merging program
 
 if triton is not None:
 
@@ -177,12 +181,10 @@ if triton is not None:
         K,  # [S, Lc, KV, hd]
         V,
         Acc,  # [spans, P, H, hd] float32: each span's unnormalised output
-        Max,  # [spans, P, H] float32: each span's running max (-inf: no key)
+        Max,  # [spans, P, H] float32: each span's running max (-inf, as filled: no key)
         Sum,  # [spans, P, H] float32: each span's softmax denominator
         rows,  # [R, 4] int64: slot, cache position of the chunk's first token, its index in Q, tokens
         scale,
-        spans,
-        span_len,  # keys per span (the whole cache when there is one span)
         sp_n,  # P * H: one span's stride in Max and Sum
         sq_n,
         sq_h,
@@ -192,35 +194,48 @@ if triton is not None:
         G: tl.constexpr,
         HD: tl.constexpr,
         H: tl.constexpr,
+        SPAN: tl.constexpr,
+        R: tl.constexpr,  # rows of the table
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        r = tl.program_id(0)
+        g = tl.program_id(0)  # a tile of the step's chunks, counted over every row in turn
         j = tl.program_id(1)  # kv head
-        tile = tl.program_id(2) // spans
-        span = tl.program_id(2) % spans
+        span = tl.program_id(2)
+        # the row holding tile g, and its place among the row's tiles (none: a tile past the last)
+        r = 0
+        tile = 0
+        found = g < 0
+        before = 0
+        for i in tl.static_range(R):
+            tiles = (tl.load(rows + i * 4 + 3).to(tl.int32) * G + BLOCK_M - 1) // BLOCK_M
+            hit = (g >= before) & (g < before + tiles)
+            r = tl.where(hit, i, r)
+            tile = tl.where(hit, g - before, tile)
+            found = found | hit
+            before += tiles
         slot = tl.load(rows + r * 4)
         # positions and offsets in 32 bits (the slot's base stays 64-bit): 64-bit index arithmetic on
-        # every element of a [HD, N] tile was a large part of a key block's time
+        # every element of a [N, HD] tile was a large part of a key block's time
         start = tl.load(rows + r * 4 + 1).to(tl.int32)
         q0 = tl.load(rows + r * 4 + 2).to(tl.int32)
-        T = tl.load(rows + r * 4 + 3).to(tl.int32)  # 0: an unused row of a captured graph
+        T = tl.where(found, tl.load(rows + r * 4 + 3).to(tl.int32), 0)  # 0: no row's tile
         first = tile * BLOCK_M  # the tile's first query of this chunk and kv head
         m = first + tl.arange(0, BLOCK_M)
         w = m // G
         h = j * G + m % G
-        valid = m < T * G
+        # keys up to the tile's last query, within this program's span (none past the chunk's end)
+        last = tl.minimum(T - 1, (first + BLOCK_M - 1) // G)
+        end = tl.where(first < T * G, start + last + 1, 0)
+        lo = span * SPAN
+        hi = tl.minimum(end, lo + SPAN)
+        valid = m < tl.where(lo < hi, T * G, 0)  # a program with no keys leaves its span's max at -inf
         d = tl.arange(0, HD)
         q = tl.load(
             Q + (q0 + w[:, None]) * sq_n + h[:, None] * sq_h + d[None, :], mask=valid[:, None], other=0.0
         )
         qpos = start + w
-        # keys up to the tile's last query, within this program's span (none past the chunk's end)
-        last = tl.minimum(T - 1, (first + BLOCK_M - 1) // G)
-        end = tl.where(first < T * G, start + last + 1, 0)
-        lo = span * span_len
-        hi = tl.minimum(end, lo + span_len)
         k_base = K + slot * sk_s + j * sk_h
         v_base = V + slot * sk_s + j * sk_h
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -229,8 +244,8 @@ if triton is not None:
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             live = n < hi
-            k = tl.load(k_base + n[None, :] * sk_l + d[:, None], mask=live[None, :], other=0.0)  # [HD, N]
-            s = tl.dot(q, k, input_precision=PRECISION) * scale
+            k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=live[:, None], other=0.0)  # [N, HD]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where((n[None, :] <= qpos[:, None]) & live[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query whose keys all lie later
@@ -248,6 +263,39 @@ if triton is not None:
         tl.store(Sum + stats + at, l_i, mask=valid)
         tl.store(Acc + stats * HD + at[:, None] * HD + d[None, :], acc, mask=valid[:, None])
 
+    @triton.jit
+    def _merge_kernel(
+        Acc,  # [spans, P * H, hd] float32
+        Max,  # [spans, P * H] float32
+        Sum,
+        Out,  # [P * H, hd]: each (token, head) row's attention, in the queries' dtype
+        spans,
+        sp_n,  # P * H
+        HD: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) rows
+        ok = i < sp_n
+        d = tl.arange(0, HD)
+        top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for s in range(spans):
+            top = tl.maximum(top, tl.load(Max + s * sp_n + i, mask=ok, other=float("-inf")))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, HD], tl.float32)
+        part = (
+            Acc + i[:, None] * HD + d[None, :]
+        )  # a pointer walks the spans (spans x P x H x HD may pass 2**31)
+        for s in range(spans):  # in span order: a query's sum does not depend on the step around it
+            mx = tl.load(Max + s * sp_n + i, mask=ok, other=float("-inf"))
+            live = ok & (mx > float("-inf"))  # a span with no key weighs 0 (its Acc and Sum are unset)
+            weight = tl.where(live, tl.exp(mx - top), 0.0)
+            total += weight * tl.load(Sum + s * sp_n + i, mask=live, other=0.0)
+            acc += weight[:, None] * tl.load(part, mask=live[:, None], other=0.0)
+            part += sp_n * HD
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # no key at all (padding): zeros
+        tl.store(Out + i[:, None] * HD + d[None, :], out.to(Out.dtype.element_ty), mask=ok[:, None])
+
 
 def chunk_attention(
     q: torch.Tensor,  # [P, H, hd]: every chunk's tokens, in the order of ``rows``
@@ -255,20 +303,25 @@ def chunk_attention(
     v_pool: torch.Tensor,
     rows: torch.Tensor,  # [R, 4] long: slot, start position, first index in q, tokens (0: unused)
     scale: float,
+    tile: int = CHUNK_TILE,
+    warps: int = CHUNK_WARPS,
+    stages: int = CHUNK_STAGES,
 ) -> torch.Tensor:
     """Causal attention of each chunk's queries over its slot's keys up to their positions; tokens of
-    ``q`` that no row covers come out as zeros. [P, H * hd]."""
+    ``q`` that no row covers come out as zeros. [P, H * hd]. ``tile``, ``warps``, ``stages``: the
+    partial kernel's launch shape (bench.probe_prefill sweeps them)."""
     P, H, hd = q.shape
     KV = k_pool.shape[2]
     G = H // KV
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
-    # split the keys only where the query tiles leave the device idle: a 256-token chunk of a 7B
-    # has 28 tiles per kv head, and splitting it cost more in partials than it saved (probe_prefill)
-    spans = triton.cdiv(k_pool.shape[1], CHUNK_SPAN) if P < CHUNK_UNSPLIT else 1
-    acc = q.new_zeros(spans, P, H, hd, dtype=torch.float32)
+    spans = triton.cdiv(k_pool.shape[1], CHUNK_SPAN)
+    acc = q.new_empty(spans, P, H, hd, dtype=torch.float32)
     mx = q.new_full((spans, P, H), float("-inf"), dtype=torch.float32)
-    sm = q.new_zeros(spans, P, H, dtype=torch.float32)
-    grid = (rows.shape[0], KV, triton.cdiv(P * G, CHUNK_TILE) * spans)  # a chunk may fill all of q
+    sm = q.new_empty(spans, P, H, dtype=torch.float32)
+    # the rows' tiles in all, at most: a grid of (row, tile of a row that fills q) launched ~10x the
+    # programs that had work, and each held its shared memory (bench.probe_prefill kernels)
+    R = rows.shape[0]
+    grid = (triton.cdiv(P * G, tile) + R, KV, spans)
     _chunk_kernel[grid](
         q,
         k_pool,
@@ -278,8 +331,6 @@ def chunk_attention(
         sm,
         rows,
         scale,
-        spans,
-        CHUNK_SPAN if spans > 1 else k_pool.shape[1],
         P * H,
         q.stride(0),
         q.stride(1),
@@ -289,18 +340,16 @@ def chunk_attention(
         G=G,
         HD=hd,
         H=H,
-        BLOCK_M=CHUNK_TILE,
+        SPAN=CHUNK_SPAN,
+        R=R,
+        BLOCK_M=tile,
         BLOCK_N=64,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=warps,
+        num_stages=stages,
     )
-    if spans == 1:
-        return (acc[0] / torch.where(sm[0] == 0, 1.0, sm[0])[..., None]).to(q.dtype).view(P, H * hd)
-    # merge the spans: each rescaled to the overall max (a span with no key weighs 0)
-    top = mx.amax(0)  # [P, H]
-    top = torch.where(top == float("-inf"), 0.0, top)
-    weight = torch.exp(mx - top)  # [spans, P, H]
-    total = (weight * sm).sum(0)  # [P, H]
-    out = (weight[..., None] * acc).sum(0) / torch.where(total == 0, 1.0, total)[..., None]
-    return out.to(q.dtype).view(P, H * hd)
+    out = q.new_empty(P, H * hd)
+    _merge_kernel[(triton.cdiv(P * H, MERGE_ROWS),)](
+        acc, mx, sm, out, spans, P * H, HD=hd, BLOCK_R=MERGE_ROWS
+    )
+    return out
