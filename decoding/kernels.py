@@ -164,11 +164,15 @@ def decode_attention(
 # split, Dao et al. 2023). Without the split a program walked a 3,000-token context alone, 47 blocks in
 # sequence. The spans start at fixed positions whatever the chunk, so a query's result depends on its
 # position and its keys alone, not on the chunking (exact mode relies on it). The merge is one kernel:
-# as ~10 torch operations per layer it cost ~1.2 ms of a 16-row step beside a 128-token chunk on the
-# H200's 7B shape, as much as the attention itself (bench.probe_prefill kernels).
+# as ~14 small torch kernels a layer it cost ~1.2 ms of a 16-row step beside a 128-token chunk on the
+# H200's 7B shape, nearly as much as the attention itself (bench.probe_prefill kernels).
 
 CHUNK_TILE = 64  # query rows (token x grouped head) per program
-CHUNK_SPAN = 512  # keys per program
+CHUNK_SPAN = 512  # keys per program, at least
+# spans per cache, at most: past CHUNK_SPAN x this many positions the spans lengthen (in powers of two),
+# so the partials stay bounded (float32 [spans, P, H, hd]: 117 MB at 512 chunk tokens of a 7B) for a
+# 32k-token cache; the span length is the model's, so results still do not depend on the chunking
+CHUNK_MAX_SPANS = 16
 CHUNK_WARPS = 4
 CHUNK_STAGES = 3
 MERGE_ROWS = 16  # (token, head) rows per merging program
@@ -314,7 +318,8 @@ def chunk_attention(
     KV = k_pool.shape[2]
     G = H // KV
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1 and q.stride(-1) == 1
-    spans = triton.cdiv(k_pool.shape[1], CHUNK_SPAN)
+    span = max(CHUNK_SPAN, triton.next_power_of_2(triton.cdiv(k_pool.shape[1], CHUNK_MAX_SPANS)))
+    spans = triton.cdiv(k_pool.shape[1], span)
     acc = q.new_empty(spans, P, H, hd, dtype=torch.float32)
     mx = q.new_full((spans, P, H), float("-inf"), dtype=torch.float32)
     sm = q.new_empty(spans, P, H, dtype=torch.float32)
@@ -340,7 +345,7 @@ def chunk_attention(
         G=G,
         HD=hd,
         H=H,
-        SPAN=CHUNK_SPAN,
+        SPAN=span,
         R=R,
         BLOCK_M=tile,
         BLOCK_N=64,

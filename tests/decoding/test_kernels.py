@@ -110,6 +110,25 @@ def test_chunks_match_reference(dtype, length, P):
     assert torch.count_nonzero(got[at:]) == 0  # padding tokens
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_caches_take_longer_spans(dtype, monkeypatch):
+    """Past CHUNK_MAX_SPANS spans a cache's spans lengthen (here 2 of 1,024 keys over 1,100): the
+    result is still the reference's."""
+    monkeypatch.setattr(kernels, "CHUNK_MAX_SPANS", 2)
+    gen = torch.Generator().manual_seed(3)
+    k, v = _pool(dtype, gen, 1100)
+    chunks = [(1, 1000, 30), (4, 0, 600)]
+    q = torch.randn(640, KV * G, HD, generator=gen).to(DEVICE, dtype)
+    got = kernels.chunk_attention(q, k, v, _chunks(chunks, 640), HD**-0.5).double().cpu()
+    at = 0
+    for slot, start, T in chunks:
+        ref = _reference(q[None, at : at + T], k, v, [slot], [start])[0]
+        assert ((got[at : at + T] - ref).norm() / ref.norm()).item() < (
+            1e-6 if dtype == torch.float32 else 1e-2
+        )
+        at += T
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter's numpy matmul rounds a row by its neighbours")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_chunk_query_computes_the_same_bits_whatever_the_chunking(dtype):
