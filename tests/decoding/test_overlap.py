@@ -258,3 +258,28 @@ def test_a_step_queued_after_a_commit_costs_from_the_read_before_it(tiny_models,
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     assert run_batch(overlapping(tiny_models), reqs) == expected
     assert starts, "no speculative step was queued after a commit"
+
+
+def test_the_next_step_is_queued_before_the_rows_report(tiny_models, monkeypatch):
+    """A step's rows take their tokens, then the next step is queued, and only then do their
+    controllers, stats and outputs follow: the device does not wait for every row's bookkeeping."""
+    calls: list[str] = []
+
+    def spy(name: str):  # type: ignore[no-untyped-def]
+        original = getattr(Engine, name)
+
+        def called(self, *args):  # type: ignore[no-untyped-def]
+            calls.append(name)
+            return original(self, *args)
+
+        return called
+
+    for name in ("_apply_step", "_speculate_ahead", "_commit_step"):
+        monkeypatch.setattr(Engine, name, spy(name))
+    reqs = [request(tiny_models, p, "draft", 4) for p in PROMPTS[:3]]
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    calls.clear()
+    assert run_batch(overlapping(tiny_models), reqs) == expected
+    queued = [i for i, c in enumerate(calls) if c == "_speculate_ahead"]
+    assert queued, "no step was queued after a commit"
+    assert all(calls[i - 1] == "_apply_step" and calls[i + 1] == "_commit_step" for i in queued)
