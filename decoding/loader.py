@@ -130,6 +130,10 @@ def load(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         from decoding.static import without_split_k
 
         without_split_k()  # before the process's first matmul on the GPU (decoding.static.NO_SPLIT_K)
+        # bf16 GEMMs reduce in float32, as the GPU benchmarks ran the engine (bench.gpu_batch's
+        # speed, and its fast-mode outputs identical to plain decoding); torch's default lets cuBLAS
+        # reduce in bf16
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     where, gguf = resolve(spec.source, pull=pull)
     dtype = pick_dtype(spec.dtype, device)
     kwargs = {"gguf_file": gguf} if gguf else {}
