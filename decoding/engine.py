@@ -10,13 +10,13 @@ the same with k = 0; a request alone is the batch of one.
 from __future__ import annotations
 
 import time
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from decoding import admission
-from decoding.batch import DecodeBatch, QueuedStep, Verifying
+from decoding.batch import Applied, DecodeBatch, QueuedStep, Verifying
 from decoding.controller import BatchCosts, KRow, Population, choose_ks, expected_tokens
 from decoding.drafters import (
     Drafter,
@@ -33,20 +33,11 @@ from decoding.params import (
     TokenLogprob,
 )
 from decoding.runner import Want, as_ids, forward_many
-from decoding.sampling import Scored, logprobs_of, score
+from decoding.sampling import Scored, score
 from decoding.sequence import LoadedModel, Sequence
 from decoding.timing import StepTimer
 
 Timing = Literal["wall", "none"]  # what a step's cost sample is (Engine._commit_step)
-
-
-class Applied(NamedTuple):
-    """What a step gave a row, once taken (Engine._apply): its new tokens, cut at a stop or
-    max_tokens, why it finished, their logprobs."""
-
-    tokens: list[int]
-    finish: FinishReason | None
-    logprobs: list[TokenLogprob] | None
 
 
 # The most prompt tokens a step feeds a sequence whose prompt is scored (SamplingParams.prompt_logprobs):
@@ -136,10 +127,10 @@ class Engine:
         read_at = time.perf_counter()
         # a step that also prefilled is no sample of a decode step's cost
         timing: Timing = "none" if any(n for _, n in chunks) else "wall"
-        applied = self._apply_step(step, decoding, results)
+        applied = step.apply(decoding, results)
         if whole:
             self._speculate_ahead(decoding, read_at)
-        outs = self._commit_step(step, decoding, results, applied, read_at, timing)
+        outs = self._commit_step(step, decoding, applied, read_at, timing)
         for s, targets, scored in step.prompt_scores:  # read back with the step's results
             assert s.prompt_logprobs is not None
             s.prompt_logprobs += [
@@ -227,33 +218,15 @@ class Engine:
             out.append((s, targets, score(logits[id(s)], as_ids(targets, logits[id(s)].device), top_n)))
         return out
 
-    def _apply_step(
-        self, step: QueuedStep, rows: list[Sequence], results: list[tuple[int, list[int]]]
-    ) -> list[Applied]:
-        """The front of a commit, what the next step's launch needs: each of ``rows`` (``step``'s rows
-        still running; ``results`` theirs) takes its accepted tokens, its caches are cut back to them,
-        and it finishes where they end it. The rest (``_commit_step``) can wait until the next step
-        is queued: with it the device waited for the bookkeeping of every row (~12 us a row on a
-        2-core EPYC: 0.75 ms a step at N = 64)."""
-        at = {id(s): b for b, s in enumerate(step.seqs)}
-        out = []
-        for s, (n, cand) in zip(rows, results, strict=True):
-            b = at[id(s)]
-            kk = step.batch.n_drafts[b]
-            logits = step.logits[b, : kk + 1] if step.logits is not None else None
-            out.append(self._apply(s, kk, n, cand, logits))
-        return out
-
     def _commit_step(
         self,
         step: QueuedStep,
         rows: list[Sequence],
-        results: list[tuple[int, list[int]]],
         applied: list[Applied],
         end: float,
         timing: Timing = "wall",
     ) -> dict[int, StepOutput | None]:
-        """The outcome of each of ``rows`` (``_apply_step``'s), and the step's costs for the
+        """The outcome of each of ``rows`` (``QueuedStep.apply``'s), and the step's costs for the
         controllers. The costs are the step's wall time from when its host work began
         (``QueuedStep.start``: for a step queued after a commit, the read-back before it) to its
         read-back (``end``), host work included (it is what throughput pays; a speculative step's
@@ -262,7 +235,7 @@ class Engine:
         device's events split them; ``timing`` "none": not a sample (acceptance still counts)."""
         if not rows:
             return {}
-        timer, n_drafts = step.timer, step.batch.n_drafts
+        timer = step.timer
         d_draft, d_target = timer.done()
         wall = max(end - step.start - timer.lead(), d_draft + d_target)
         W = step.batch.width
@@ -273,23 +246,24 @@ class Engine:
         t_draft = wall * d_draft / (d_draft + d_target) if d_draft + d_target > 0 else 0.0
         t_target = wall - t_draft
         timed = timing != "none"
-        at = {id(s): b for b, s in enumerate(step.seqs)}
         if timed:
             B = len(step.seqs)  # the rows the device ran, those that left since included
             costs = self._costs(rows[0])
             if W > 1 and len(rows) == B:  # what it gave against what the model expected of it
-                expected = sum(expected_tokens(s.controller.acceptance, n_drafts[at[id(s)]]) for s in rows)
+                expected = sum(
+                    expected_tokens(s.controller.acceptance, a.drafted)
+                    for s, a in zip(rows, applied, strict=True)
+                )
                 model = any(isinstance(s.drafter, DraftModelDrafter) for s in rows)
-                costs.observe_goodput(B, W - 1, model, expected, sum(n + 1 for n, _ in results), wall)
+                costs.observe_goodput(B, W - 1, model, expected, sum(a.accepted + 1 for a in applied), wall)
             costs.observe(B, B * W, W - 1, t_draft, t_target)
         self.total_steps += 1
         passes = W - 1  # draft passes this step ran: rows draft in lockstep up to the longest
         outs: dict[int, StepOutput | None] = {}
-        for s, (n, _), done in zip(rows, results, applied, strict=True):
-            kk = n_drafts[at[id(s)]]
-            # a row's draft time is its kk passes' share: the others' longer proposals are not its cost
-            share = t_draft * kk / passes if passes else 0.0
-            outs[id(s)] = self._commit(s, kk, n, done, share, t_target, timed)
+        for s, a in zip(rows, applied, strict=True):
+            # a row's draft time is its k passes' share: the others' longer proposals are not its cost
+            share = t_draft * a.drafted / passes if passes else 0.0
+            outs[id(s)] = self._commit(s, a, share, t_target, timed)
         return outs
 
     def _overlaps(self, seq: Sequence) -> bool:
@@ -393,11 +367,10 @@ class Engine:
         read_at = time.perf_counter()
         self.ahead_steps += 1
         by_row = dict(zip((id(s) for s in ahead.seqs), results, strict=True))
-        mine = [by_row[id(s)] for s in kept]
-        applied = self._apply_step(ahead, kept, mine)
+        applied = ahead.apply(kept, [by_row[id(s)] for s in kept])
         if whole:
             self._speculate_ahead(kept, read_at)
-        outs = self._commit_step(ahead, kept, mine, applied, read_at)
+        outs = self._commit_step(ahead, kept, applied, read_at)
         return [outs.get(id(s)) for s in seqs]
 
     @staticmethod
@@ -485,43 +458,9 @@ class Engine:
         ]
         return choose_ks(rows, self._costs(decoding[0]))
 
-    def _apply(
-        self,
-        seq: Sequence,
-        kk: int,
-        n: int,
-        cand: list[int],
-        logits: torch.Tensor | None,  # [kk+1, V] the row's logits (needed for logprobs alone)
-    ) -> Applied:
-        """A row takes the tokens its step gave (``_apply_step``). Logprobs are read here, from
-        logits that the next step's pass may overwrite (a graph's buffer)."""
-        params = seq.request.params
-        n_before = len(seq.tokens)
-        if kk:  # a plain step leaves nothing to cut, and steps queued after it must keep their token
-            seq.runner.crop(n_before + n)
-        if seq.drafter is not None:
-            seq.drafter.rollback(n_before + n)
-        new_list, finish = self._truncate(seq, cand[: n + 1])
-        if seq.shaping is not None and seq.shaping.constraint is not None:
-            seq.shaping.constraint.commit(new_list)  # [shaping] the matcher advances by accepted tokens only
-        logprobs = None
-        if params.logprobs is not None and new_list:
-            assert logits is not None, "a step keeps its logits where a row wants logprobs"
-            new = as_ids(new_list, logits.device)
-            rows = logprobs_of(logits[: len(new_list)], new, params.logprobs)
-            logprobs = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(new_list, rows, strict=True)]
-        seq.tokens.extend(new_list)
-        if new_list and params.penalised:  # counts exist for the penalties alone
-            # index_add_, not `counts[idx] += 1`: a token accepted twice in one step counts twice
-            idx = as_ids(new_list, seq.counts.device)
-            seq.counts.index_add_(0, idx, torch.ones_like(idx))
-        seq.finished = finish
-        return Applied(new_list, finish, logprobs)
-
-    def _commit(
-        self, seq: Sequence, kk: int, n: int, applied: Applied, t_draft: float, t_target: float, timed: bool
-    ) -> StepOutput:
-        """A row's controller, stats and output for a step it has taken (``_apply``)."""
+    def _commit(self, seq: Sequence, a: Applied, t_draft: float, t_target: float, timed: bool) -> StepOutput:
+        """A row's controller, stats and output for a step it has taken (``QueuedStep.apply``)."""
+        kk, n = a.drafted, a.accepted
         seq.controller.observe(kk, n, t_draft if kk else 0.0, t_target, timed)
         if kk and seq.drafter is not None:  # a verification: what the population counts
             self._population(seq).observe(kk, n)
@@ -532,25 +471,14 @@ class Engine:
         prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # the first output carries them
         return StepOutput(
             request_id=seq.request.request_id,
-            token_ids=applied.tokens,
+            token_ids=a.tokens,
             drafted=kk,
             accepted=n,
-            logprobs=applied.logprobs,
+            logprobs=a.logprobs,
             prompt_logprobs=prompt_logprobs,
-            finish_reason=applied.finish,
-            stats=seq.stats if applied.finish else None,
+            finish_reason=a.finish,
+            stats=seq.stats if a.finish else None,
         )
-
-    def _truncate(self, seq: Sequence, new: list[int]) -> tuple[list[int], FinishReason | None]:
-        params = seq.request.params
-        stops = seq.stops
-        for i, t in enumerate(new):
-            if t in stops:
-                return new[:i], FinishReason.STOP  # the stop token itself is not output
-        remaining = params.max_tokens - seq.completion_tokens
-        if len(new) >= remaining:
-            return new[:remaining], FinishReason.LENGTH
-        return new, None
 
     def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:
         """Run one request to the end (CLI, benchmarks, tests)."""

@@ -347,9 +347,9 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
         had_chunks.append(any(n for _, n in out))
         return out
 
-    def spy_commit(self, step, rows, results, applied, end, timing="wall"):  # type: ignore[no-untyped-def]
+    def spy_commit(self, step, rows, applied, end, timing="wall"):  # type: ignore[no-untyped-def]
         timings.append(timing)
-        return commit(self, step, rows, results, applied, end, timing)
+        return commit(self, step, rows, applied, end, timing)
 
     monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
     monkeypatch.setattr(Engine, "_commit_step", spy_commit)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from decoding.async_engine import AsyncEngine
-from decoding.batch import Verifying
+from decoding.batch import QueuedStep, Verifying
 from decoding.engine import Engine
 from tests.decoding.test_batch import PROMPTS, alone, request, run_batch, run_with_one_leaving
 
@@ -265,21 +265,22 @@ def test_the_next_step_is_queued_before_the_rows_report(tiny_models, monkeypatch
     controllers, stats and outputs follow: the device does not wait for every row's bookkeeping."""
     calls: list[str] = []
 
-    def spy(name: str):  # type: ignore[no-untyped-def]
-        original = getattr(Engine, name)
+    def spy(owner: type, name: str):  # type: ignore[no-untyped-def]
+        original = getattr(owner, name)
 
         def called(self, *args):  # type: ignore[no-untyped-def]
             calls.append(name)
             return original(self, *args)
 
-        return called
+        monkeypatch.setattr(owner, name, called)
 
-    for name in ("_apply_step", "_speculate_ahead", "_commit_step"):
-        monkeypatch.setattr(Engine, name, spy(name))
+    spy(QueuedStep, "apply")
+    spy(Engine, "_speculate_ahead")
+    spy(Engine, "_commit_step")
     reqs = [request(tiny_models, p, "draft", 4) for p in PROMPTS[:3]]
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     calls.clear()
     assert run_batch(overlapping(tiny_models), reqs) == expected
     queued = [i for i, c in enumerate(calls) if c == "_speculate_ahead"]
     assert queued, "no step was queued after a commit"
-    assert all(calls[i - 1] == "_apply_step" and calls[i + 1] == "_commit_step" for i in queued)
+    assert all(calls[i - 1] == "apply" and calls[i + 1] == "_commit_step" for i in queued)
