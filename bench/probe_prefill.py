@@ -15,13 +15,14 @@ Prints a table only.
 from __future__ import annotations
 
 import sys
-from collections import Counter
+from collections.abc import Callable
 
 import torch
 
 from bench.gpu import TARGET, build
 from bench.probe_batch import event_time
 from bench.probe_invariant import graph_time
+from bench.profile_step import kernel_table, profile_kernels
 from decoding import kernels
 from decoding.runner import Row
 from decoding.static import StaticModel
@@ -55,22 +56,9 @@ def chunk_kernel_time() -> None:
             )
 
 
-def by_kernel(what: str, f, top: int = 14) -> None:  # type: ignore[no-untyped-def]
+def by_kernel(what: str, f: Callable[[], object], top: int = 14) -> None:
     """``f``'s kernels by name under the profiler (its CUDA graph replayed: each kernel shows)."""
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        f()
-        torch.cuda.synchronize()
-    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    n, t = Counter(), Counter()
-    for e in ks:
-        n[e.name[:90]] += 1
-        t[e.name[:90]] += e.device_time
-    print(f"== {what}: {len(ks)} kernels, {sum(t.values()) / 1e3:.2f} ms of kernel time", flush=True)
-    for name, us in t.most_common(top):
-        print(f"   {n[name]:5d} x {us / n[name]:7.1f} us = {us / 1e3:6.3f} ms  {name}", flush=True)
+    kernel_table(what, profile_kernels(f), top)
 
 
 def main() -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,27 +25,39 @@ from decoding.static import StaticModel
 PROMPT = list(range(100, 228))
 
 
+def profile_kernels(f: Callable[[], object]) -> list[Any]:
+    """The device kernels of one call of ``f`` (after three warm-up calls), in launch order, under
+    the profiler; a CUDA graph's replay shows each of its kernels."""
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_table(what: str, ks: list[Any], top: int) -> None:
+    """Kernels by name: count, mean and total device time, the dearest first."""
+    n: Counter[str] = Counter()
+    t: Counter[str] = Counter()
+    for e in ks:
+        n[e.name[:90]] += 1
+        t[e.name[:90]] += e.device_time
+    print(f"== {what}: {len(ks)} kernels, {sum(t.values()) / 1e3:.2f} ms of kernel time", flush=True)
+    for name, us in t.most_common(top):
+        print(f"   {n[name]:5d} x {us / n[name]:7.1f} us = {us / 1e3:6.3f} ms  {name}", flush=True)
+
+
 def kernels(m: StaticModel, top: int, order: int = 0) -> None:
     r = m.runner(exact=False)
     r.forward(PROMPT, logits=False)
     tok = torch.tensor([5], device="cuda")
     saved, m.graphs_enabled = m.graphs_enabled, False
-    for _ in range(3):
-        r.forward(tok)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r.forward(tok)
-        torch.cuda.synchronize()
+    ks = profile_kernels(lambda: r.forward(tok))
     m.graphs_enabled = saved
     r.release()
-    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(f"   {len(ks)} kernels, {sum(e.device_time for e in ks) / 1e3:.2f} ms of kernel time")
-    by, t = Counter(), Counter()
-    for e in ks:
-        by[e.name[:80]] += 1
-        t[e.name[:80]] += e.device_time
-    for name, n in by.most_common(top):
-        print(f"   {n:5d} x {t[name] / n:6.1f} us  {name}")
+    kernel_table("one eager 1-token step", ks, top)
     for e in ks[:order]:  # the first kernels in launch order: what one layer is made of
         print(f"   {e.device_time:6.1f} us  {e.name[:100]}")
 

@@ -287,9 +287,8 @@ if triton is not None:
         top = tl.where(top == float("-inf"), 0.0, top)
         total = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, HD], tl.float32)
-        part = (
-            Acc + i[:, None] * HD + d[None, :]
-        )  # a pointer walks the spans (spans x P x H x HD may pass 2**31)
+        # a pointer walks the spans, in 64 bits (spans x P x H x HD may pass 2**31 elements)
+        part = Acc + i[:, None] * HD + d[None, :]
         for s in range(spans):  # in span order: a query's sum does not depend on the step around it
             mx = tl.load(Max + s * sp_n + i, mask=ok, other=float("-inf"))
             live = ok & (mx > float("-inf"))  # a span with no key weighs 0 (its Acc and Sum are unset)
