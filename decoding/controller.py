@@ -314,11 +314,9 @@ class BatchCosts:
             self.plain[b] = _ema(self.plain.get(b), t_target)
             self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
             return
-        b = pow2_bucket(rows)
-        self.target[b] = _ema(self.target.get(b), t_target)
+        _sample(self.target, pow2_bucket(rows), t_target, self.t_target(rows))
         if t_draft > 0:
-            d = pow2_bucket(batch)
-            self.draft[d] = _ema(self.draft.get(d), t_draft / k)
+            _sample(self.draft, pow2_bucket(batch), t_draft / k, self.t_draft(batch))
 
     def observe_goodput(
         self, batch: int, k: int, model: bool, expected: float, tokens: int, seconds: float
@@ -349,13 +347,17 @@ class BatchCosts:
         return _lookup(self.plain, batch) or _lookup(self.target, batch)
 
     def t_target(self, rows: int) -> float | None:
-        """A verification step of ``rows`` target rows: measured, else as a plain step of as many rows
-        costs (optimistic, so an unmeasured shape is tried once and then known), and never less
-        than a measured plain step of as many rows."""
-        verify, plain = _lookup(self.target, rows), self.plain.get(pow2_bucket(rows))
-        if verify is None:
-            return _lookup(self.plain, rows)
-        return verify if plain is None else max(verify, plain)
+        """A verification step of ``rows`` target rows: measured, never less than a measured plain
+        step of as many rows; else interpolated between the steps of either kind measured on both
+        sides of it (a plain step of as many rows costs about what a verification does), and past
+        the largest measured, as that one (optimistic, so an unmeasured shape is tried once and then
+        known). The plain steps bound it from below: a verification of 128 rows in a batch of 64 is
+        costed between the plain step of 64 and a measured verification of 256, not as the latter
+        (which kept k = 1 from ever being tried at N = 64 on the H200)."""
+        points = dict(self.plain)
+        for b, t in self.target.items():
+            points[b] = max(t, points.get(b, t))
+        return _lookup(points, rows)
 
     def t_draft(self, batch: int) -> float | None:
         if not self.draft:
@@ -406,6 +408,18 @@ class BatchCosts:
         if not self.off:
             self.off, self.off_steps = True, 0
         return min(2, k_max) if probe else 0
+
+
+def _sample(table: dict[int, float], b: int, t: float, guess: float | None) -> None:
+    """Fold one cost sample into ``table[b]``. A bucket's first sample counts at most ``OUTLIER``
+    times what the tables predicted for it (``guess``; None: nothing to predict from), as later
+    samples count at most that times the estimate: a shape's first step can pay one-off costs (a
+    kernel loaded, memory allocated: bench.probe_auto_fast at N = 64 on the H200 recorded the first
+    256-row verification at 43.9 ms, the same shape's later samples at 7-9 ms), and a first sample is
+    the whole estimate, which a batch it turns off then re-measures only at probes."""
+    if b not in table and guess is not None:
+        t = min(t, OUTLIER * guess)
+    table[b] = _ema(table.get(b), t)
 
 
 def _lookup(table: dict[int, float], n: int) -> float | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from decoding.controller import (
     MIN_LEFT_TO_PROBE,
     BatchCosts,
@@ -309,3 +311,28 @@ def test_choose_ks_shares_one_k_and_keeps_each_rows_limits():
     assert ks[2:] == [2, 0, 0]
     near_end = choose_ks([r._replace(left=1) for r in rows[:3]] + [rows[0]._replace(left=3)], costs)
     assert near_end[:3] == [0, 0, 0] and near_end[3] == 2
+
+
+def test_a_verification_between_measured_shapes_is_interpolated_from_plain_steps():
+    """128 rows (k = 1 at 64) lie between the plain step of 64 and a verification of 256: costed
+    between the two, not as the dearer one."""
+    costs = BatchCosts()
+    costs.observe(64, 64, 0, 0.0, 0.005)
+    costs.observe(64, 256, 3, 0.0039, 0.009)
+    assert costs.t_target(128) == pytest.approx(0.005 + (128 - 64) / (256 - 64) * 0.004)
+    assert costs.t_target(256) == pytest.approx(0.009)
+    assert costs.t_target(1024) == pytest.approx(0.009)  # past the largest: as it (tried, then known)
+
+
+def test_a_shapes_stalled_first_sample_does_not_turn_the_batch_off():
+    """The first 256-row verification at N = 64 on the H200 was recorded at 43.9 ms (a one-off stall)
+    against 7-9 ms later: as the whole estimate it turned speculation off for the rest of the run,
+    where k = 1 pays ~1.2x. A first sample counts at most OUTLIER times the tables' guess."""
+    costs = BatchCosts()
+    for _ in range(3):
+        costs.observe(64, 64, 0, 0.0, 0.0046)
+    costs.observe(64, 256, 3, 3 * 0.0013, 0.0439)
+    assert costs.t_target(256) == pytest.approx(2 * 0.0046)
+    assert costs.best_k([(0.75, True, 8)] * 64, 0.07, probe=False) == 1
+    costs.observe(64, 128, 1, 0.0014, 0.0053)  # what k = 1 then measures
+    assert costs.best_k([(0.75, True, 8)] * 64, 0.07, probe=False) == 1 and not costs.off
