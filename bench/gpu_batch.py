@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -153,6 +154,24 @@ async def run_requests(
         tasks.append(asyncio.ensure_future(submit_late()))
     await asyncio.gather(*tasks)
     return t_sub, chunks, outputs, window[:2]
+
+
+@torch.inference_mode()
+def parting(model, prompt: list[int], ref: list[int], got: list[int]) -> dict[str, float] | None:  # type: ignore[no-untyped-def]
+    """Where a speculative output first parts from plain decoding's (None: nowhere), and the target's
+    logits there, from a bf16 forward of the shared prefix by the HF model: the gap between the two
+    tokens' logits, bf16's spacing at their magnitude, and the top two logits' margin. A gap of a
+    spacing or so is a rounding tie (a verification row and a 1-token row rounded apart), not a lost
+    guarantee; a gap of many spacings would be a bug."""
+    at = next((j for j, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), None)
+    if at is None:
+        return None
+    ids = torch.tensor([prompt + ref[:at]], device=model.device)
+    logits = model(ids, use_cache=False).logits[0, -1].float()
+    a, b = logits[ref[at]].item(), logits[got[at]].item()
+    top = logits.topk(2).values.tolist()
+    spacing = 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - 7)  # bf16: 8 significant bits
+    return {"at": at, "gap": a - b, "spacing": spacing, "top2_margin": top[0] - top[1]}
 
 
 def summarise(t_sub, chunks, n_rows: int, kv_row_bytes: float, weights: float, bw: float) -> dict[str, Any]:
@@ -372,6 +391,11 @@ def main(argv: list[str] | None = None) -> None:
                     ref = ref_out if engine is exact else ref_fast
                     same = sum(outs[r.request_id] == ref[i] for i, r in enumerate(reqs))
                     s["identical_to_off"] = f"{same}/{N}"
+                    parted = [
+                        parting(target, r.prompt_token_ids, ref[i], outs[r.request_id])
+                        for i, r in enumerate(reqs)
+                    ]
+                    s["parted"] = [x for x in parted if x is not None]
                     s["tokens_per_step"] = s.get("tokens", 0) / max(1, sum(len(c) for c in chunks.values()))
                 row[mode] = s
                 print(f"N={N} {mode}: {s} [{time.perf_counter() - wall:.0f}s]", flush=True)

@@ -128,6 +128,7 @@ def render(path: str) -> None:
             f"{on.get('identical_to_off', '-')}, {auto.get('identical_to_off', '-')}, "
             f"{E[n].get('auto_fast', {}).get('identical_to_off', '-')} |"
         )
+    lines += _partings(E, ns)
     P = R.get("prefill_interference")
     if P:
         lines += [
@@ -152,6 +153,31 @@ def render(path: str) -> None:
     lines += ["", f"![aggregate tok/s by N]({PLOT.name})"]
     write_section("gpu-batch", "\n".join(lines))
     plot(R)
+
+
+def _partings(E: dict[str, Any], ns: list[str]) -> list[str]:
+    """Where speculative outputs parted from speculation off, with the target's logits there
+    (gpu_batch.parting): the two tokens' gap in units of bf16's spacing at their magnitude."""
+    said = []
+    for n in ns:
+        for mode in ("on", "auto", "auto_fast"):
+            parted = E[n].get(mode, {}).get("parted")
+            if parted is None:
+                continue
+            if parted:
+                worst = max(abs(p["gap"]) / p["spacing"] for p in parted)
+                said.append(
+                    f"N = {n} {mode.replace('_', ' ')}: {len(parted)} row(s), first at token "
+                    f"{min(p['at'] for p in parted)}, gap at most {worst:.1f} spacing(s)"
+                )
+    if not said:
+        return []
+    return [
+        "",
+        "Outputs that parted from speculation off, and the target's logits where they did (a bf16 forward of the "
+        "shared prefix; the gap between the two tokens' logits in units of bf16's spacing at their magnitude; a "
+        "gap within a spacing or two is a rounding tie): " + "; ".join(said) + ".",
+    ]
 
 
 def main() -> None:
