@@ -1,5 +1,5 @@
 """Device A/B: ``bench.gpu_batch`` with speculative steps queued ahead (the engine's default on CUDA,
-``Engine._speculate_ahead``) or without (``off``: each speculative step launched by the call that
+``decoding.ahead.Ahead.speculate``) or without (``off``: each speculative step launched by the call that
 commits it, as before 2026-12-02).
 
     python -m bench.ab_ahead on|off [bench.gpu_batch's arguments, e.g. --quick --ns 1,2,4 --out F]
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from bench import gpu_batch
-from decoding.engine import Engine
+from decoding.ahead import Ahead
 
 
 def main() -> None:
@@ -18,7 +18,7 @@ def main() -> None:
     if variant not in ("on", "off"):
         raise SystemExit(__doc__)
     if variant == "off":
-        Engine._speculate_ahead = lambda self, rows, read_at: None  # type: ignore[method-assign]
+        Ahead.speculate = lambda self, rows, read_at: None  # type: ignore[method-assign]
     gpu_batch.main(rest)
 
 

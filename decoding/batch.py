@@ -146,9 +146,9 @@ class Applied(NamedTuple):
 @dataclass
 class QueuedStep:
     """A step's work queued on the device, and what its back half (the host's read, the commit) needs.
-    Launched ahead of the call that takes it (decoding.engine.Engine._launch_ahead, _speculate_ahead),
-    the device never waits for the host's bookkeeping; its rows' caches then already hold its tokens,
-    and it is undone for rows that are gone when it is taken."""
+    Launched ahead of the call that takes it (decoding.ahead.Ahead.launch, speculate), the device never
+    waits for the host's bookkeeping; its rows' caches then already hold its tokens, and it is undone
+    for rows that are gone when it is taken."""
 
     seqs: list[Sequence]  # its decoding rows, in batch order
     batch: DecodeBatch

@@ -16,6 +16,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from decoding import admission
+from decoding.ahead import Ahead
 from decoding.batch import Applied, DecodeBatch, QueuedStep, Verifying
 from decoding.controller import BatchCosts, KRow, Population, choose_ks, expected_tokens
 from decoding.drafters import (
@@ -54,9 +55,12 @@ class Engine:
         self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
         self.population: dict[tuple[str, str], Population] = {}  # per (target, drafter): acceptance
         self.overlap: bool | None = None  # queue steps ahead (None: where the device is CUDA)
-        self._ahead: dict[str, QueuedStep] = {}  # per target: the step queued by the last call
-        self.ahead_steps = 0  # steps queued ahead whose results were used (observability, tests)
-        self._planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
+        self.ahead = Ahead(self)  # the steps queued ahead of the calls that take them
+
+    @property
+    def ahead_steps(self) -> int:
+        """Steps queued ahead whose results were used (observability, tests)."""
+        return self.ahead.taken
 
     def model(self, name: str) -> LoadedModel:
         return admission.model_of(self.models, name)
@@ -100,36 +104,32 @@ class Engine:
         ``prefill_budget`` tokens in all, None: whole prompts) and emit None until done.
 
         Where the device runs asynchronously the next step is queued before this call returns, and
-        the next call takes it (``_take_ahead``): a plain step's before its rows are read back (its
-        rows' next tokens stay on the device, ``_launch_ahead``), any other once this one is
-        committed (``_speculate_ahead``); either way the device computes while the host streams and
+        the next call takes it (``Ahead.take``): a plain step's before its rows are read back (its
+        rows' next tokens stay on the device, ``Ahead.launch``), any other once this one is
+        committed (``Ahead.speculate``); either way the device computes while the host streams and
         schedules. ``joining``: requests wait to join the batch at the next call, so nothing is
         queued (a queued step would hold their prefill back a step)."""
         if not seqs:
             return []
-        ahead = self._ahead.pop(seqs[0].target.name, None)
-        if ahead is not None:
-            taken = self._take_ahead(ahead, seqs, joining)
-            if taken is not None:
-                return taken
+        taken = self.ahead.take(seqs, joining)
+        if taken is not None:
+            return taken
         decoding = [s for s in seqs if s.prefilled]
         chunks = self._prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
         plain = self._plain_beside_prompts(decoding, chunks)
-        if plain:
-            self._planned.pop(seqs[0].target.name, None)
-        ks = [0] * len(decoding) if plain else self._planned_ks(decoding)
+        ks = self.ahead.planned_ks(decoding, plain)
         t0 = time.perf_counter()
         step = self._launch(seqs[0].target.device, decoding, ks, chunks, plain)
         whole = len(decoding) == len(seqs) and not joining  # no prompt in this step or the next
         if whole and max(step.batch.n_drafts, default=1) == 0:
-            self._launch_ahead(decoding, step.verifying, None, in_flight=1)
+            self.ahead.launch(decoding, step.verifying, None, in_flight=1)
         results = step.verifying.results()  # the step's one host sync
         read_at = time.perf_counter()
         # a step that also prefilled is no sample of a decode step's cost
         timing: Timing = "none" if any(n for _, n in chunks) else "wall"
         applied = step.apply(decoding, results)
         if whole:
-            self._speculate_ahead(decoding, read_at)
+            self.ahead.speculate(decoding, read_at)
         outs = self._commit_step(step, decoding, applied, read_at, timing)
         for s, targets, scored in step.prompt_scores:  # read back with the step's results
             assert s.prompt_logprobs is not None
@@ -239,8 +239,8 @@ class Engine:
         d_draft, d_target = timer.done()
         wall = max(end - step.start - timer.lead(), d_draft + d_target)
         W = step.batch.width
-        if W == 1 and self._overlaps(rows[0]):
-            # plain steps queue back to back (_launch_ahead): the host's share is hidden, so what one
+        if W == 1 and self.ahead.overlaps(rows[0]):
+            # plain steps queue back to back (Ahead.launch): the host's share is hidden, so what one
             # costs is its device time, also for a plain step between speculative ones
             wall = d_draft + d_target
         t_draft = wall * d_draft / (d_draft + d_target) if d_draft + d_target > 0 else 0.0
@@ -265,113 +265,6 @@ class Engine:
             share = t_draft * a.drafted / passes if passes else 0.0
             outs[id(s)] = self._commit(s, a, share, t_target, timed)
         return outs
-
-    def _overlaps(self, seq: Sequence) -> bool:
-        """Whether steps are queued ahead: on by default where the device runs asynchronously
-        (CUDA); ``overlap`` forces it either way (tests run it on the CPU, where it only costs)."""
-        return self.overlap if self.overlap is not None else seq.target.device.type == "cuda"
-
-    @staticmethod
-    def _ends(seq: Sequence, in_flight: int) -> bool:
-        """Whether max_tokens ends a row by the ``in_flight`` steps not yet read back."""
-        return seq.request.params.max_tokens - seq.completion_tokens <= in_flight
-
-    @staticmethod
-    def _chains(seq: Sequence) -> bool:
-        """Whether a row's next step can be queued before the host sees the steps not yet read back:
-        it is plain, its input is the token those steps chose (nothing the host must first see: a
-        grammar, penalty counts, logprobs read from a step's logits)."""
-        params = seq.request.params
-        return seq.shaping is None and not params.penalised and params.logprobs is None
-
-    def _planned_ks(self, decoding: list[Sequence]) -> list[int]:
-        """This step's k per row: chosen when the last step was queued (_launch_ahead), if for these
-        rows, else now."""
-        planned = self._planned.pop(decoding[0].target.name, None) if decoding else None
-        if planned is not None and planned[0] == [id(s) for s in decoding]:
-            return planned[1]
-        return self._choose_ks(decoding)
-
-    def _launch_ahead(
-        self, rows: list[Sequence], verifying: Verifying, pick: list[int] | None, in_flight: int
-    ) -> None:
-        """Queue the next plain step of ``rows`` (``verifying``'s rows, or those at ``pick``) behind
-        the ``in_flight`` steps not yet read back. A row those steps end by max_tokens is left out of
-        it (it has no next step; holding the others back for it made every step where a row of a
-        batch finished a synchronous one). The rows' k for it are chosen now; when any is not 0
-        they are kept for that step, and nothing is queued (``_speculate_ahead`` queues it once
-        this step is committed)."""
-        if not rows or not self._overlaps(rows[0]):
-            return
-        if any(self._ends(s, in_flight) for s in rows):
-            at = range(len(rows)) if pick is None else pick
-            going = [(i, s) for i, s in zip(at, rows, strict=True) if not self._ends(s, in_flight)]
-            pick, rows = [i for i, _ in going], [s for _, s in going]
-        if not rows or not all(self._chains(s) for s in rows):
-            return
-        name = rows[0].target.name
-        ks = self._choose_ks(rows, pending=in_flight)
-        if any(ks):
-            self._planned[name] = ([id(s) for s in rows], ks)
-            return
-        ids = verifying.chosen()  # [B]
-        if pick is not None:
-            ids = ids[as_ids(pick, ids.device)]
-        B = len(rows)
-        batch = DecodeBatch(ids[:, None], ids.new_zeros(B, 0), [0] * B)
-        generators = {id(s): s.generator.get_state() for s in rows if not s.request.params.greedy}
-        timer = StepTimer(rows[0].target.device)
-        timer.mark()
-        start = time.perf_counter()
-        logits, _ = self._forward(rows, batch, [])
-        verifying = Verifying.queue(rows, [None] * B, batch, logits)
-        self._ahead[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
-        timer.stop()
-
-    def _speculate_ahead(self, rows: list[Sequence], read_at: float) -> None:
-        """Queue the next step of ``rows`` (a committed step's, with no prompt waiting) now, rather
-        than at the next call, where nothing is queued yet: a step whose input the host had to
-        read first (speculative, or a row with a grammar, penalties or logprobs). Its proposals,
-        pass and verification then run while the host streams this step's tokens and schedules
-        the next; what it needs of the host (accepted tokens, counts, the grammar's state) is
-        committed by now. Undone where not taken (QueuedStep.undo). Its cost is counted from
-        ``read_at``, when the step before was read back: the device waits from then until this
-        one's first kernel, through the commit before it and its own launch (~1.5 ms at N = 16 on
-        the H200, which the controller otherwise missed: k = 1 steps costed at 6.5 ms took 7.9)."""
-        live = [s for s in rows if s.finished is None]
-        if not live or not self._overlaps(live[0]) or live[0].target.name in self._ahead:
-            return
-        step = self._launch(live[0].target.device, live, self._planned_ks(live), [], undoable=True)
-        step.start = read_at
-        self._ahead[live[0].target.name] = step
-
-    def _take_ahead(
-        self, ahead: QueuedStep, seqs: list[Sequence], joining: bool = False
-    ) -> list[StepOutput | None] | None:
-        """This call's step, queued by the last: its rows that are still here emit, the ones that left
-        are undone, and rows new since (their prefill comes next step) emit None. None, and all
-        undone, when no row of it is here."""
-        here = {id(s) for s in seqs if s.finished is None}
-        kept = [s for s in ahead.seqs if id(s) in here]
-        ahead.undo([s for s in ahead.seqs if id(s) not in here])
-        if not kept:
-            return None
-        queued = {id(s) for s in ahead.seqs}
-        # no new rows, none about to join: the next step can be queued too
-        whole = all(id(s) in queued for s in seqs) and not joining
-        if whole and ahead.batch.width == 1:  # plain: queue the next before this one's read
-            pos = {id(s): i for i, s in enumerate(ahead.seqs)}
-            pick = None if len(kept) == len(ahead.seqs) else [pos[id(s)] for s in kept]
-            self._launch_ahead(kept, ahead.verifying, pick, in_flight=1)
-        results = ahead.verifying.results()
-        read_at = time.perf_counter()
-        self.ahead_steps += 1
-        by_row = dict(zip((id(s) for s in ahead.seqs), results, strict=True))
-        applied = ahead.apply(kept, [by_row[id(s)] for s in kept])
-        if whole:
-            self._speculate_ahead(kept, read_at)
-        outs = self._commit_step(ahead, kept, applied, read_at)
-        return [outs.get(id(s)) for s in seqs]
 
     @staticmethod
     def _plain_beside_prompts(decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> bool:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from decoding.ahead import Ahead
 from decoding.async_engine import AsyncEngine
 from decoding.batch import QueuedStep, Verifying
 from decoding.engine import Engine
@@ -87,13 +88,15 @@ def test_speculative_steps_queued_ahead_change_nothing(tiny_models, mode, sample
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     engine = overlapping(tiny_models)
     widths: list[int] = []
-    take = Engine._take_ahead
+    take = Ahead.take
 
-    def spy(self, ahead, seqs, joining=False):  # type: ignore[no-untyped-def]
-        widths.append(ahead.batch.width)
-        return take(self, ahead, seqs, joining)
+    def spy(self, seqs, joining=False):  # type: ignore[no-untyped-def]
+        queued = self.queued.get(seqs[0].target.name)
+        if queued is not None:
+            widths.append(queued.batch.width)
+        return take(self, seqs, joining)
 
-    monkeypatch.setattr(Engine, "_take_ahead", spy)
+    monkeypatch.setattr(Ahead, "take", spy)
     assert {r.request_id: alone(engine, r) for r in reqs} == expected
     assert run_batch(engine, reqs) == expected
     assert run_batch(engine, reqs, join_at=[0, 2, 2, 5, 1], budget=6) == expected
@@ -114,7 +117,7 @@ def test_a_row_leaving_undoes_its_queued_speculative_step(tiny_models):
             if o is not None:
                 out[s.request.request_id] += o.token_ids
     leaver = seqs.pop(1)
-    queued = engine._ahead[leaver.target.name]
+    queued = engine.ahead.queued[leaver.target.name]
     assert leaver in queued.seqs and leaver.runner.length > len(leaver.tokens) - 1
     while seqs:
         outs = engine.step_batch(seqs)
@@ -189,9 +192,9 @@ def test_no_step_is_queued_while_requests_wait_to_join(tiny_models):
 
     step(seqs)  # the prompts
     step(seqs)
-    assert seqs[0].target.name in engine._ahead
+    assert seqs[0].target.name in engine.ahead.queued
     step(seqs, joining=True)  # takes the queued step and queues none
-    assert not engine._ahead
+    assert not engine.ahead.queued
     late = engine.start(request(tiny_models, PROMPTS[2], max_tokens=4))
     seqs.append(late)
     step(seqs)
@@ -204,18 +207,18 @@ def test_no_step_is_queued_while_requests_wait_to_join(tiny_models):
 
 def test_a_row_ending_at_its_max_tokens_does_not_hold_the_others_back(tiny_models, monkeypatch):
     """Rows of one batch that end at different max_tokens: the step after each end is still queued
-    before the host reads the step before back (``_launch_ahead``, the ending row left out of it),
-    not only once that step is committed (``_speculate_ahead``, the GPU idle while the host reads
+    before the host reads the step before back (``Ahead.launch``, the ending row left out of it),
+    not only once that step is committed (``Ahead.speculate``, the GPU idle while the host reads
     and streams), as when the rows end together; the outputs are still what each gives alone."""
     late = []
-    speculate_ahead = Engine._speculate_ahead
+    speculate = Ahead.speculate
 
     def counted(self, rows, read_at):  # type: ignore[no-untyped-def]
-        before = dict(self._ahead)
-        speculate_ahead(self, rows, read_at)
-        late.extend(name for name in self._ahead if self._ahead[name] is not before.get(name))
+        before = dict(self.queued)
+        speculate(self, rows, read_at)
+        late.extend(name for name in self.queued if self.queued[name] is not before.get(name))
 
-    monkeypatch.setattr(Engine, "_speculate_ahead", counted)
+    monkeypatch.setattr(Ahead, "speculate", counted)
     staggered = [
         request(tiny_models, p, max_tokens=n) for p, n in zip(PROMPTS[:4], (3, 6, 9, 12), strict=True)
     ]
@@ -237,7 +240,7 @@ def test_a_step_queued_after_a_commit_costs_from_the_read_before_it(tiny_models,
     reads: list[float] = []
     starts: list[float] = []
     results = Verifying.results
-    speculate_ahead = Engine._speculate_ahead
+    speculate = Ahead.speculate
 
     def read(self):  # type: ignore[no-untyped-def]
         out = results(self)
@@ -246,14 +249,14 @@ def test_a_step_queued_after_a_commit_costs_from_the_read_before_it(tiny_models,
 
     def queued(self, rows, read_at):  # type: ignore[no-untyped-def]
         launched = time.perf_counter()
-        speculate_ahead(self, rows, read_at)
-        ahead = self._ahead.get(rows[0].target.name)
+        speculate(self, rows, read_at)
+        ahead = self.queued.get(rows[0].target.name)
         if ahead is not None and ahead.batch.width > 1:
             starts.append(ahead.start)
             assert reads[-1] <= ahead.start < launched
 
     monkeypatch.setattr(Verifying, "results", read)
-    monkeypatch.setattr(Engine, "_speculate_ahead", queued)
+    monkeypatch.setattr(Ahead, "speculate", queued)
     reqs = [request(tiny_models, p, "draft", 4) for p in PROMPTS[:3]]
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     assert run_batch(overlapping(tiny_models), reqs) == expected
@@ -275,12 +278,12 @@ def test_the_next_step_is_queued_before_the_rows_report(tiny_models, monkeypatch
         monkeypatch.setattr(owner, name, called)
 
     spy(QueuedStep, "apply")
-    spy(Engine, "_speculate_ahead")
+    spy(Ahead, "speculate")
     spy(Engine, "_commit_step")
     reqs = [request(tiny_models, p, "draft", 4) for p in PROMPTS[:3]]
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     calls.clear()
     assert run_batch(overlapping(tiny_models), reqs) == expected
-    queued = [i for i, c in enumerate(calls) if c == "_speculate_ahead"]
+    queued = [i for i, c in enumerate(calls) if c == "speculate"]
     assert queued, "no step was queued after a commit"
     assert all(calls[i - 1] == "apply" and calls[i + 1] == "_commit_step" for i in queued)

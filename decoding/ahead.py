@@ -1,0 +1,142 @@
+"""Steps queued ahead of the call that takes them, so the device computes the next step while the host
+streams and schedules: a plain step's next is chained before its rows are read back, from the tokens
+it chose on the device (``Ahead.launch``); any other is launched once its step is committed
+(``Ahead.speculate``); a queued step is undone for rows that are gone when it is taken (``Ahead.take``,
+``QueuedStep.undo``)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from decoding.batch import DecodeBatch, QueuedStep, Verifying
+from decoding.runner import as_ids
+from decoding.timing import StepTimer
+
+if TYPE_CHECKING:
+    from decoding.engine import Engine
+    from decoding.params import StepOutput
+    from decoding.sequence import Sequence
+
+
+class Ahead:
+    """An engine's steps queued ahead, per target model (where ``Engine.overlap`` says). They are the
+    engine's own steps: chosen, launched, passed and committed by its ``_choose_ks``, ``_launch``,
+    ``_forward`` and ``_commit_step``."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.queued: dict[str, QueuedStep] = {}  # per target: the step queued by the last call
+        self.planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
+        self.taken = 0  # steps queued ahead whose results were used (observability, tests)
+
+    def overlaps(self, seq: Sequence) -> bool:
+        """Whether steps are queued ahead: on by default where the device runs asynchronously
+        (CUDA); ``Engine.overlap`` forces it either way (tests run it on the CPU, where it only costs)."""
+        overlap = self.engine.overlap
+        return overlap if overlap is not None else seq.target.device.type == "cuda"
+
+    @staticmethod
+    def _ends(seq: Sequence, in_flight: int) -> bool:
+        """Whether max_tokens ends a row by the ``in_flight`` steps not yet read back."""
+        return seq.request.params.max_tokens - seq.completion_tokens <= in_flight
+
+    @staticmethod
+    def _chains(seq: Sequence) -> bool:
+        """Whether a row's next step can be queued before the host sees the steps not yet read back:
+        it is plain, its input is the token those steps chose (nothing the host must first see: a
+        grammar, penalty counts, logprobs read from a step's logits)."""
+        params = seq.request.params
+        return seq.shaping is None and not params.penalised and params.logprobs is None
+
+    def planned_ks(self, decoding: list[Sequence], plain: bool = False) -> list[int]:
+        """This step's k per row: 0 where it is ``plain`` (the plan is dropped), else chosen when the
+        last step was queued (``launch``), if for these rows, else now."""
+        planned = self.planned.pop(decoding[0].target.name, None) if decoding else None
+        if plain:
+            return [0] * len(decoding)
+        if planned is not None and planned[0] == [id(s) for s in decoding]:
+            return planned[1]
+        return self.engine._choose_ks(decoding)
+
+    def launch(
+        self, rows: list[Sequence], verifying: Verifying, pick: list[int] | None, in_flight: int
+    ) -> None:
+        """Queue the next plain step of ``rows`` (``verifying``'s rows, or those at ``pick``) behind
+        the ``in_flight`` steps not yet read back. A row those steps end by max_tokens is left out of
+        it (it has no next step; holding the others back for it made every step where a row of a
+        batch finished a synchronous one). The rows' k for it are chosen now; when any is not 0
+        they are kept for that step, and nothing is queued (``speculate`` queues it once this step
+        is committed)."""
+        if not rows or not self.overlaps(rows[0]):
+            return
+        if any(self._ends(s, in_flight) for s in rows):
+            at = range(len(rows)) if pick is None else pick
+            going = [(i, s) for i, s in zip(at, rows, strict=True) if not self._ends(s, in_flight)]
+            pick, rows = [i for i, _ in going], [s for _, s in going]
+        if not rows or not all(self._chains(s) for s in rows):
+            return
+        name = rows[0].target.name
+        ks = self.engine._choose_ks(rows, pending=in_flight)
+        if any(ks):
+            self.planned[name] = ([id(s) for s in rows], ks)
+            return
+        ids = verifying.chosen()  # [B]
+        if pick is not None:
+            ids = ids[as_ids(pick, ids.device)]
+        B = len(rows)
+        batch = DecodeBatch(ids[:, None], ids.new_zeros(B, 0), [0] * B)
+        generators = {id(s): s.generator.get_state() for s in rows if not s.request.params.greedy}
+        timer = StepTimer(rows[0].target.device)
+        timer.mark()
+        start = time.perf_counter()
+        logits, _ = self.engine._forward(rows, batch, [])
+        verifying = Verifying.queue(rows, [None] * B, batch, logits)
+        self.queued[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
+        timer.stop()
+
+    def speculate(self, rows: list[Sequence], read_at: float) -> None:
+        """Queue the next step of ``rows`` (a committed step's, with no prompt waiting) now, rather
+        than at the next call, where nothing is queued yet: a step whose input the host had to
+        read first (speculative, or a row with a grammar, penalties or logprobs). Its proposals,
+        pass and verification then run while the host streams this step's tokens and schedules
+        the next; what it needs of the host (accepted tokens, counts, the grammar's state) is
+        committed by now. Undone where not taken (QueuedStep.undo). Its cost is counted from
+        ``read_at``, when the step before was read back: the device waits from then until this
+        one's first kernel, through the commit before it and its own launch (~1.5 ms at N = 16 on
+        the H200, which the controller otherwise missed: k = 1 steps costed at 6.5 ms took 7.9)."""
+        live = [s for s in rows if s.finished is None]
+        if not live or not self.overlaps(live[0]) or live[0].target.name in self.queued:
+            return
+        step = self.engine._launch(live[0].target.device, live, self.planned_ks(live), [], undoable=True)
+        step.start = read_at
+        self.queued[live[0].target.name] = step
+
+    def take(self, seqs: list[Sequence], joining: bool = False) -> list[StepOutput | None] | None:
+        """This call's step, queued by the last for ``seqs``' target (None: none is): its rows that are
+        still here emit, the ones that left are undone, and rows new since (their prefill comes next
+        step) emit None. None, and all undone, when no row of it is here."""
+        step = self.queued.pop(seqs[0].target.name, None)
+        if step is None:
+            return None
+        here = {id(s) for s in seqs if s.finished is None}
+        kept = [s for s in step.seqs if id(s) in here]
+        step.undo([s for s in step.seqs if id(s) not in here])
+        if not kept:
+            return None
+        queued = {id(s) for s in step.seqs}
+        # no new rows, none about to join: the next step can be queued too
+        whole = all(id(s) in queued for s in seqs) and not joining
+        if whole and step.batch.width == 1:  # plain: queue the next before this one's read
+            pos = {id(s): i for i, s in enumerate(step.seqs)}
+            pick = None if len(kept) == len(step.seqs) else [pos[id(s)] for s in kept]
+            self.launch(kept, step.verifying, pick, in_flight=1)
+        results = step.verifying.results()
+        read_at = time.perf_counter()
+        self.taken += 1
+        by_row = dict(zip((id(s) for s in step.seqs), results, strict=True))
+        applied = step.apply(kept, [by_row[id(s)] for s in kept])
+        if whole:
+            self.speculate(kept, read_at)
+        outs = self.engine._commit_step(step, kept, applied, read_at)
+        return [outs.get(id(s)) for s in seqs]
