@@ -193,7 +193,7 @@ class SpecController:
             self.t_draft = _ema(self.t_draft, t_draft / k)
             self.spec_tokens_w = 0.9 * self.spec_tokens_w + accepted + 1
             self.spec_seconds_w = 0.9 * self.spec_seconds_w + t_draft + t_target
-            self.t_verify[k] = _ema(self.t_verify.get(k), t_target)
+            _sample(self.t_verify, k, t_target, self._t_verify(k))  # a first sample too is bounded
         # decay old evidence so acceptance tracks the text being generated now
         self.accepted_w = 0.9 * self.accepted_w + accepted
         self.rejected_w = 0.9 * self.rejected_w + (1 if accepted < k else 0)

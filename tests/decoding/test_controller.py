@@ -336,3 +336,14 @@ def test_a_shapes_stalled_first_sample_does_not_turn_the_batch_off():
     assert costs.best_k([(0.75, True, 8)] * 64, 0.07, probe=False) == 1
     costs.observe(64, 128, 1, 0.0014, 0.0053)  # what k = 1 then measures
     assert costs.best_k([(0.75, True, 8)] * 64, 0.07, probe=False) == 1 and not costs.off
+
+
+def test_a_request_alones_stalled_first_verification_does_not_switch_it_off():
+    """The same bound for a request alone: its first verification, stalled at 10x a plain step, is
+    counted at most OUTLIER times the plain step it was expected to cost, so drafts it keeps go on."""
+    c = SpecController(k_max=4)
+    c.observe(0, 0, 0.0, 0.005)
+    k = c.choose_k()
+    c.observe(k, k, k * 0.001, 0.05)
+    assert c.t_verify[k] == 2 * 0.005
+    assert c.choose_k() > 0
