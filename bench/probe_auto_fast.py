@@ -86,7 +86,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
         return k
 
     def timed(self, seqs, budget=None, joining=False):  # type: ignore[no-untyped-def]
-        g0 = {("t", *k) for k in tm._graphs} | {("d", *k) for k in dm._graphs}
+        g0 = {("t", *k) for k in tm.graphs} | {("d", *k) for k in dm.graphs}
         backlog = max(
             (len(s.tokens) - s.drafter.runner.length for s in seqs if s.drafter is not None), default=0
         )
@@ -107,7 +107,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
                 len(seqs),
                 drafted,
                 backlog,
-                sorted(({("t", *k) for k in tm._graphs} | {("d", *k) for k in dm._graphs}) - g0),
+                sorted(({("t", *k) for k in tm.graphs} | {("d", *k) for k in dm.graphs}) - g0),
             )
         )
         return outs

@@ -31,8 +31,8 @@ CONFIGS = ((1, 512), (4, 128), (8, 64), (8, 128), (16, 64), (16, 128), (32, 64),
 def main() -> None:
     model = build(DRAFT, 1)
     for rows_max, buckets in ((8, (32, 64, 128, 256, 512)), (32, (32, 64, 128, 256, 512, 1024, 2048))):
-        graphs.CHUNK_ROWS = static.CHUNK_ROWS = rows_max
-        graphs.CHUNK_BUCKETS = static.CHUNK_BUCKETS = buckets
+        graphs.CHUNK_ROWS = rows_max
+        graphs.CHUNK_BUCKETS = buckets
         m = static.StaticModel(model, 4096, slots=33, graphs=True, compile_step=True)
         m.warm()
         print(f"table of {rows_max} rows, chunks up to {buckets[-1]} tokens:", flush=True)

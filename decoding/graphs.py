@@ -1,11 +1,19 @@
 """The CUDA graphs of ``decoding.static``: one per step shape (batch bucket, width, attended length,
-slot, prompt-chunk bucket), captured on first use or ahead (``StaticModel.capture``), with the step's
+slot, prompt-chunk bucket), captured on first use or ahead (``GraphSet.capture``), with the step's
 inputs in static buffers that each replay refills. Shapes are bucketed so that a handful of graphs
 serve every batch: padding rows and padding chunk tokens write to the pool's scratch slot.
+
+    GraphSet  one model's graphs by shape: which one serves a step (else the step runs eagerly),
+              and capturing them ahead of requests
+    _Graph    one captured step shape: its static buffers and its replay
+
+A step's shape (width, batch bucket, attended length; exact mode's padding) is decided by
+``StaticModel.step_shape``, not here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,12 +22,14 @@ from torch.nn.utils.rnn import pad_sequence
 from decoding.runner import Row, StepRows
 
 if TYPE_CHECKING:
-    from decoding.static import StaticModel
+    from decoding.static import StaticModel, StepShape
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 # prompt-chunk tokens a graph has room for, and its most chunks (more, or longer, run eagerly)
 CHUNK_BUCKETS = (32, 64, 128, 256, 512)
 CHUNK_ROWS = 8
+
+Key = tuple[int, int, int, int, int]  # (B, W, L, slot or -1, P): see _Graph
 
 
 def batch_bucket(n: int) -> int:
@@ -41,14 +51,137 @@ def chunk_rows(long: list[Row], n: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.long).to(device, non_blocking=True)
 
 
+def plain_beside_chunks(graphed: bool, exact: bool) -> bool:
+    """Whether decode rows beside prompt chunks should be one token wide: graphs are keyed by
+    (batch, width, chunk tokens), so verification widths beside every chunk size are shapes
+    captured on first use, mid-stream (100-140 ms each for the 7B-shaped target on the H200,
+    bench.probe_auto_fast), for one step's gain. Exact mode runs every row at one width, so its
+    shapes do not multiply; without graphs nothing is captured."""
+    return graphed and not exact
+
+
+class GraphSet:
+    """One StaticModel's CUDA graphs by step shape, and which one serves a step: ``replay`` and
+    ``run`` return None where none does (graphs off, or prompt chunks a graph cannot hold), and the
+    model runs the step eagerly. The model's ``graphs_enabled`` and ``fused_attention`` are read at
+    every step (benchmarks switch graphs off and on)."""
+
+    def __init__(self, m: StaticModel):
+        self.m = m
+        self.captured: dict[Key, _Graph] = {}
+        # one memory pool for this model's graphs: they never run concurrently. Not shared across
+        # models: freeing one model's graphs must not pull memory from under another's.
+        self.pool = torch.cuda.graph_pool_handle() if m.graphs_enabled else None
+        # a one-row step's graph per slot (``get``), unless the fused kernel reads its slot from a buffer
+        self.per_slot = not m.fused_attention
+
+    def __len__(self) -> int:
+        return len(self.captured)
+
+    def __iter__(self) -> Iterator[Key]:
+        """The captured shapes' keys (B, W, L, slot, P)."""
+        return iter(self.captured)
+
+    def split(self, rows: list[Row]) -> tuple[list[Row], list[Row]]:
+        """A step's short rows (decode and verification, batched at one width) and its long rows
+        (prompt chunks, and rows that go with them)."""
+        m = self.m
+        # where prompt chunks run as graphs, a row that wants no logits (a prompt's last few tokens,
+        # a draft's catch-up) goes with them whatever its length: among the decode rows it would set
+        # the step's width, one more graph shape per width beside each chunk size, captured mid-stream
+        chunked = m.graphs_enabled and m.fused_attention
+        as_chunk = [r.tokens.shape[0] > m.max_graph_tokens or (chunked and r.logits == "none") for r in rows]
+        short = [r for r, c in zip(rows, as_chunk, strict=True) if not c]
+        long = [r for r, c in zip(rows, as_chunk, strict=True) if c]
+        return short, long
+
+    def replay(self, short: list[Row], long: list[Row], shape: StepShape) -> torch.Tensor | None:
+        """``forward_rows``'s step as a graph: logits [N, V] (short rows first at ``shape.width``);
+        None where no graph serves it."""
+        if short and not long and self.m.graphs_enabled:
+            return self.get(shape.bucket, shape.width, shape.attn_len, short[0].slot).replay(short)
+        if long and self._chunks_fit(long):
+            # prompt chunks beside decode rows, as a graph too: eager, such a step costs the host
+            # several times what it costs the device (bench.probe_prefill)
+            B = batch_bucket(len(short)) if short else 0  # the plain bucket: no exact_min_rows here
+            P = chunk_bucket(sum(r.tokens.shape[0] for r in long))
+            return self.get(B, shape.width if B else 0, 0, -1, P).replay(short, long)
+        return None
+
+    def run(
+        self, shape: StepShape, slots: list[int], starts: list[int], ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``forward_batch``'s step as a graph: ids [B, W] -> logits [B, W, V], a view of the
+        graph's buffer; None where graphs are off."""
+        if not self.m.graphs_enabled:
+            return None
+        return self.get(shape.bucket, shape.width, shape.attn_len, slots[0]).run(slots, starts, ids)
+
+    def get(self, B: int, W: int, L: int, first_slot: int, P: int = 0) -> _Graph:
+        """The graph of a step shape, captured on first use: B short rows of W tokens and room for
+        P tokens of prompt chunks. A one-row graph without the fused kernel reads its slot's cache
+        as a view baked into the graph, so it is one graph per slot."""
+        key = (B, W, L, first_slot if B == 1 and self.per_slot else -1, P)
+        graph = self.captured.get(key)
+        if graph is None:
+            graph = self.captured[key] = _Graph(self, B, W, L, key[3], P)
+        return graph
+
+    def _chunks_fit(self, long: list[Row]) -> bool:
+        """Whether a step's prompt chunks run in a captured graph: with the fused kernels, no
+        logits wanted of them, and within the largest chunk bucket."""
+        return (
+            self.m.graphs_enabled
+            and self.m.fused_attention
+            and len(long) <= CHUNK_ROWS
+            and all(r.logits == "none" for r in long)
+            and sum(r.tokens.shape[0] for r in long) <= CHUNK_BUCKETS[-1]
+        )
+
+    def capture(
+        self, token_counts: range, batch_sizes: tuple[int, ...] = (1,), chunk_tokens: tuple[int, ...] = ()
+    ) -> None:
+        """Capture graphs ahead of the first request (otherwise on first use): every width in
+        ``token_counts`` (exact: the exact width) for each batch bucket, at the shortest context;
+        and those steps with prompt chunks of every bucket up to the largest of ``chunk_tokens``."""
+        m = self.m
+        if not m.graphs_enabled:
+            return
+        widths = {m.max_graph_tokens} if m.exact else set(token_counts)  # exact: step_shape's one width
+        # every bucket up to each size: a prompt's last chunk is shorter than the budget
+        top = max((chunk_bucket(P) for P in chunk_tokens), default=0) if m.fused_attention else 0
+        chunks = {b for b in CHUNK_BUCKETS if b <= top}
+        for P in chunks:  # prompt chunks alone
+            self.get(0, 0, 0, -1, P)
+        for B in batch_sizes:
+            for W in widths:
+                self.get(B, W, m.step_shape(B, W, 0, m.exact).attn_len, m.scratch)
+                for P in chunks:
+                    self.get(B, W, 0, -1, P)
+
+    def capture_serving(self, rows: int) -> int:
+        """Capture every graph a server's steps of up to ``rows`` rows use, ahead of its requests
+        (on first use each is a stall mid-stream: 100-140 ms for the 7B-shaped target on the H200):
+        one-token rows beside prompt chunks of every bucket (fast mode decodes such rows plainly;
+        exact mode's one width stands for every width), then every verification width alone, in
+        each batch bucket up to ``rows``. Returns how many were captured."""
+        before = len(self.captured)
+        buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(rows))
+        self.capture(range(1, 2), buckets, chunk_tokens=(CHUNK_BUCKETS[-1],))
+        self.capture(range(2, self.m.max_graph_tokens + 1), buckets)
+        return len(self.captured) - before
+
+
 class _Graph:
     """One CUDA graph for a step of B short rows of W tokens (batch bucket, width, attended length,
     slot for a one-row graph else -1) and room for P tokens of prompt chunks after them (up to
     CHUNK_ROWS chunks; their tokens get no logits). Static input buffers in, a static logits buffer
     out: [B * W, V]."""
 
-    def __init__(self, m: StaticModel, B: int, W: int, L: int, slot: int, P: int = 0):
+    def __init__(self, owner: GraphSet, B: int, W: int, L: int, slot: int, P: int = 0):
+        m = owner.m
         self.m, self.B, self.W, self.P = m, B, W, P
+        self.per_slot = owner.per_slot
         with torch.inference_mode():  # as every step's tensors are: compiled code guards on the kind
             self.step = self._buffers(m, B, W, L, m.scratch if slot < 0 else slot, P)
             # the short rows' starts, slots and ids, [2B + B * W]: a replay copies them in (ids from the
@@ -66,7 +199,7 @@ class _Graph:
                 m._step(self.step)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=m.pool):
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=owner.pool):
             self._derive()
             self.out = m._step(self.step)
 
@@ -78,7 +211,7 @@ class _Graph:
         starts, slots = self.rows[:B], self.rows[B : 2 * B]
         self.step.ids[: B * W].copy_(self.rows[2 * B :])
         self.step.pos[: B * W].copy_((starts[:, None] + self.m.positions[None, :W]).view(-1))
-        if B > 1 or not self.m.per_slot_graphs:  # a one-row graph per slot has its slot baked in
+        if B > 1 or not self.per_slot:  # a one-row graph per slot has its slot baked in
             self.step.slots.copy_(slots)
         self.step.slot_of[: B * W].copy_(slots[:, None].expand(B, W).reshape(-1))
 

@@ -158,7 +158,7 @@ def decode_attention(
 # A step that carries prompt chunks beside its decode rows attends each chunk with the kernels below: the
 # chunk's own keys and every key before them, read from its slot of the pool like the decode kernel's,
 # so such a step needs no mask tensor and no attended-length bucket, and is captured as a CUDA graph
-# like a decode step (``StaticModel._graph``). A chunk's queries (token-major, the kv head's grouped
+# like a decode step (``GraphSet.get``). A chunk's queries (token-major, the kv head's grouped
 # heads minor) are split into tiles, and its keys into spans of CHUNK_SPAN from position 0, one program
 # per (chunk, kv head, tile, span); a second kernel merges the spans' partial softmaxes (flash-decoding's
 # split, Dao et al. 2023). Without the split a program walked a 3,000-token context alone, 47 blocks in

@@ -16,10 +16,14 @@ kernels per step), so the forward is written for few kernels rather than through
     residual adds into a few kernels. T = 1 is compiled static; T >= 2 (verification, prefill) once
     with T dynamic.
 
-The layer's math and the weight fusion are ``decoding.layers``, the graphs' buffers and buckets
-``decoding.graphs``; this module holds the cache and the batching of rows into one step.
+The layer's math and the weight fusion are ``decoding.layers``; the graphs (which one serves a step,
+capturing them, their buffers and buckets) ``decoding.graphs``. This module holds the KV pool, the
+forward pass, the batching of rows into one step, and each step's shape: ``StaticModel.step_shape``
+is where exact mode's padding is decided.
 
-    StaticModel   one model: fused weights, KV cache for ``slots`` sequences, RoPE tables, graphs
+    StaticModel   one model: fused weights, KV cache for ``slots`` sequences, RoPE tables, the forward
+                  pass; its graphs are a GraphSet (``StaticModel.graphs``)
+    StepShape     a step's short rows as they run: graph batch bucket, width, attended length
     StaticRunner  one sequence on one slot (the SequenceRunner the engine drives)
 """
 
@@ -27,22 +31,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from decoding import invariant, kernels
-from decoding.graphs import (
-    BATCH_BUCKETS,
-    CHUNK_BUCKETS,
-    CHUNK_ROWS,
-    _Graph,
-    batch_bucket,
-    chunk_bucket,
-    chunk_rows,
-)
+from decoding.graphs import GraphSet, batch_bucket, chunk_rows, plain_beside_chunks
 from decoding.layers import (
     TORCH_OPS,
     Dims,
@@ -81,6 +77,14 @@ def without_split_k() -> dict[str, str]:
 #    different hidden size must get its own static compile, not turn D into a symbol for both;
 #  - a recompile limit that fits several models x {T=1, T dynamic}.
 _DYNAMO: dict[str, Any] = dict(automatic_dynamic_shapes=False, recompile_limit=64)
+
+
+class StepShape(NamedTuple):
+    """A step's short rows as they run (``StaticModel.step_shape``); a graph's key is made of them."""
+
+    bucket: int  # the graph batch that holds them (padding rows write to the scratch slot)
+    width: int  # W tokens per row, padding included
+    attn_len: int  # cache positions they attend over; 0 under the fused kernel (each row its own length)
 
 
 class StaticModel(PooledSlots):
@@ -139,7 +143,8 @@ class StaticModel(PooledSlots):
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
         # exact mode: every short step of a row runs at width max_graph_tokens (and, without the fused
-        # kernel, over the whole cache; see docs/architecture.md, Exact mode). Drafters never need it.
+        # kernel, over the whole cache; see step_shape and docs/architecture.md, Exact mode). Drafters
+        # never need it.
         self.exact = exact
         # batch-invariant exact mode (CUDA, opt-in): every matmul and RMSNorm through kernels whose rows
         # do not depend on the rest of the batch (decoding/invariant.py); else torch's (cuBLAS). Opt-in
@@ -147,13 +152,9 @@ class StaticModel(PooledSlots):
         # (docs/benchmarks.md, gpu-batch)
         self.batch_invariant = exact and batch_invariant and invariant.available(self.device)
         # exact mode: a graph step holds at least this many rows (padding to the scratch slot), so a
-        # batch that shrinks below it keeps its GEMMs' M and with it cuBLAS's kernel choice
+        # batch that shrinks below it keeps its GEMMs' M and with it cuBLAS's kernel choice (step_shape)
         self.exact_min_rows = 1
         self.ops: Ops = invariant.OPS if self.batch_invariant else TORCH_OPS
-        self._graphs: dict[tuple[int, int, int, int, int], _Graph] = {}
-        # one memory pool for this model's graphs: they never run concurrently. Not shared across
-        # models: freeing one model's graphs must not pull memory from under another's.
-        self.pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
         self._free = FreeSlots(slots)
         # short rows attend straight from the pool with one Triton kernel where it runs (CUDA):
         # no gather, no mask, no graph per attended length, and batch-invariant (decoding/kernels.py)
@@ -163,8 +164,7 @@ class StaticModel(PooledSlots):
             if self.fused_attention
             else 0
         )
-        # the fused kernel reads a one-row step's slot from a buffer (StaticModel._graph)
-        self.per_slot_graphs = not self.fused_attention
+        self.graphs = GraphSet(self)  # after fused_attention: one-row graphs per slot without it
         self.compiled = compile_step
         self._entry: Callable[..., torch.Tensor] = layer_entry
         self._between: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_boundary
@@ -191,19 +191,25 @@ class StaticModel(PooledSlots):
         """A drafter's runner: never padded (its rounding changes proposals, never the output)."""
         return self.runner(exact=False)
 
-    # ---- the forward pass ---------------------------------------------------------------------
+    # ---- a step's shape: exact mode's padding, decided here -----------------------------------
 
-    def _attn_len(self, end: int, exact: bool) -> int:
-        """Cache positions a step attends over: the whole cache in exact mode (see
-        docs/architecture.md, Exact mode), else the smallest power of two from 256 that holds ``end``."""
-        if exact:
-            return self.cache_len
+    def step_shape(self, rows: int, widest: int, last_start: int, exact: bool) -> StepShape:
+        """The shape a step's short rows run at: ``rows`` of them, the widest ``widest`` tokens long,
+        the largest start ``last_start``. Exact mode's padding is decided here (docs/architecture.md,
+        Exact mode): every row at ``max_graph_tokens``, a graph of short rows alone at least
+        ``exact_min_rows`` rows, attention over the whole cache."""
+        W = self.max_graph_tokens if exact else widest
+        bucket = batch_bucket(max(rows, self.exact_min_rows) if exact else rows)
+        if self.fused_attention:  # it reads each row up to its own length: no graph per attended length
+            return StepShape(bucket, W, 0)
+        return StepShape(bucket, W, self.cache_len if exact else self._attn_len(last_start + W))
+
+    def _attn_len(self, end: int) -> int:
+        """Cache positions a step attends over outside exact mode: the smallest power of two from 256
+        that holds ``end``."""
         return min(self.cache_len, max(256, 1 << (end - 1).bit_length()))
 
-    def _batch_len(self, end: int, exact: bool) -> int:
-        """``_attn_len`` for the short rows of a step: 0 where the fused kernel reads each row up to
-        its own length (so graphs need no key by attended length)."""
-        return 0 if self.fused_attention else self._attn_len(end, exact)
+    # ---- the forward pass ---------------------------------------------------------------------
 
     def _forward(self, step: StepRows) -> torch.Tensor:
         """Hidden states [N, D] of every token of ``step``; writes their K/V into the pool."""
@@ -295,30 +301,13 @@ class StaticModel(PooledSlots):
             )
         if self.step_override is not None:  # another compiler's one-row step (trt.py)
             return [self._override_row(r) for r in rows]
-        # where prompt chunks run as graphs, a row that wants no logits (a prompt's last few tokens,
-        # a draft's catch-up) goes with them whatever its length: among the decode rows it would set
-        # the step's width, one more graph shape per width beside each chunk size, captured mid-stream
-        chunked = self.graphs_enabled and self.fused_attention
-        as_chunk = [
-            r.tokens.shape[0] > self.max_graph_tokens or (chunked and r.logits == "none") for r in rows
-        ]
-        short = [r for r, c in zip(rows, as_chunk, strict=True) if not c]
-        long = [r for r, c in zip(rows, as_chunk, strict=True) if c]
-        W = self.max_graph_tokens if exact else max((r.tokens.shape[0] for r in short), default=0)
-        if short and not long and self.graphs_enabled:
-            B = self._bucket(len(short), exact)
-            L = self._batch_len(max(r.start for r in short) + W, exact)
-            logits = self._graph(B, W, L, short[0].slot).replay(short)
-        elif long and self._chunk_graph_fits(long):
-            # prompt chunks beside decode rows, as a graph too: eager, such a step costs the host
-            # several times what it costs the device (bench.probe_prefill)
-            B = batch_bucket(len(short)) if short else 0
-            P = chunk_bucket(sum(r.tokens.shape[0] for r in long))
-            logits = self._graph(B, W if B else 0, 0, -1, P).replay(short, long)
-        else:
-            step = self._plan(short, long, W, exact)
-            logits = self._step(step)
-        return _split(rows, short, long, W, logits)
+        short, long = self.graphs.split(rows)
+        widest = max((r.tokens.shape[0] for r in short), default=0)
+        shape = self.step_shape(len(short), widest, max((r.start for r in short), default=0), exact)
+        logits = self.graphs.replay(short, long, shape)
+        if logits is None:
+            logits = self._step(self._plan(short, long, shape))
+        return _split(rows, short, long, shape.width, logits)
 
     @torch.inference_mode()
     def forward_batch(
@@ -328,7 +317,8 @@ class StaticModel(PooledSlots):
         one copy with the rows' places) at cache positions ``starts[b] + j`` of ``slots[b]`` -> logits
         [B, W, V], valid until this model's next forward pass (the graph's buffer)."""
         B, T = ids.shape
-        W = self.max_graph_tokens if exact else T
+        shape = self.step_shape(B, T, max(starts), exact)
+        W = shape.width
         if W > T:  # exact: every row at the one width
             ids = F.pad(ids, (0, W - T))
         assert max(starts) + W <= self.cache_len, "a step past the end of the static cache"
@@ -336,10 +326,9 @@ class StaticModel(PooledSlots):
             ids = ids.to(self.device, non_blocking=True)
             rows = [Row(s, ids[b, :T], st) for b, (s, st) in enumerate(zip(slots, starts, strict=True))]
             return torch.stack([t for t in self.forward_rows(rows, exact) if t is not None])
-        L = self._batch_len(max(starts) + W, exact)
-        if self.graphs_enabled:
-            Bb = self._bucket(B, exact)
-            return self._graph(Bb, W, L, slots[0]).run(slots, starts, ids)[:, :T]
+        logits = self.graphs.run(shape, slots, starts, ids)
+        if logits is not None:
+            return logits[:, :T]
         slot_t = torch.tensor(slots).to(self.device, non_blocking=True)  # [B]
         start_t = torch.tensor(starts).to(self.device, non_blocking=True)  # [B]
         step = StepRows(
@@ -349,45 +338,14 @@ class StaticModel(PooledSlots):
             batch=B,
             width=W,
             slots=slot_t,
-            attn_len=L,
+            attn_len=shape.attn_len,
             one_slot=slots[0] if B == 1 else None,
             singles=[],
         )
         return self._step(step).view(B, W, -1)[:, :T]
 
-    def _bucket(self, rows: int, exact: bool) -> int:
-        return batch_bucket(max(rows, self.exact_min_rows) if exact else rows)
-
-    def _graph(self, B: int, W: int, L: int, first_slot: int, P: int = 0) -> _Graph:
-        """The graph of a step shape, captured on first use: B short rows of W tokens and room for
-        P tokens of prompt chunks. A one-row graph without the fused kernel reads its slot's cache
-        as a view baked into the graph, so it is one graph per slot."""
-        key = (B, W, L, first_slot if B == 1 and self.per_slot_graphs else -1, P)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = _Graph(self, B, W, L, key[3], P)
-        return graph
-
-    def plain_beside_chunks(self, exact: bool) -> bool:
-        """Whether decode rows beside prompt chunks should be one token wide: graphs are keyed by
-        (batch, width, chunk tokens), so verification widths beside every chunk size are shapes
-        captured on first use, mid-stream (100-140 ms each for the 7B-shaped target on the H200,
-        bench.probe_auto_fast), for one step's gain. Exact mode runs every row at one width, so its
-        shapes do not multiply; without graphs nothing is captured."""
-        return self.graphs_enabled and not exact
-
-    def _chunk_graph_fits(self, long: list[Row]) -> bool:
-        """Whether a step's prompt chunks run in a captured graph: with the fused kernels, no
-        logits wanted of them, and within the largest chunk bucket."""
-        return (
-            self.graphs_enabled
-            and self.fused_attention
-            and len(long) <= CHUNK_ROWS
-            and all(r.logits == "none" for r in long)
-            and sum(r.tokens.shape[0] for r in long) <= CHUNK_BUCKETS[-1]
-        )
-
-    def _plan(self, short: list[Row], long: list[Row], W: int, exact: bool) -> StepRows:
+    def _plan(self, short: list[Row], long: list[Row], shape: StepShape) -> StepRows:
+        W = shape.width
         ids, pos, slot_of = [], [], []
         for r in short:  # padded to W: the padding writes past the row's length, which nothing reads
             T = r.tokens.shape[0]
@@ -402,7 +360,7 @@ class StaticModel(PooledSlots):
             pos.append(self.positions[r.start : r.start + T])
             slot_of.append(T * [r.slot])
             if not fused:
-                singles.append((r.slot, T, self._attn_len(r.start + T, False)))
+                singles.append((r.slot, T, self._attn_len(r.start + T)))
         flat_slots = [s for group in slot_of for s in group]
         B = len(short)
         return StepRows(
@@ -412,7 +370,7 @@ class StaticModel(PooledSlots):
             batch=B,
             width=W,
             slots=as_ids([r.slot for r in short], self.device),
-            attn_len=self._batch_len(max((r.start for r in short), default=0) + W, exact) if B else 0,
+            attn_len=shape.attn_len if B else 0,
             one_slot=short[0].slot if B == 1 else None,
             singles=singles,
             chunks=chunk_rows(long, len(long), self.device) if fused else None,
@@ -441,37 +399,21 @@ class StaticModel(PooledSlots):
                 ids = torch.zeros(n, dtype=torch.long, device=self.device)
                 self.forward_rows([Row(self.scratch, ids, 0, "all")])
 
+    # ---- graphs (decoding.graphs.GraphSet): the names the loader and benchmarks call ----------
+
     def capture(
         self, token_counts: range, batch_sizes: tuple[int, ...] = (1,), chunk_tokens: tuple[int, ...] = ()
     ) -> None:
-        """Capture graphs ahead of the first request (otherwise on first use): every width in
-        ``token_counts`` (exact: the exact width) for each batch bucket, at the shortest context;
-        and those steps with prompt chunks of every bucket up to the largest of ``chunk_tokens``."""
-        if not self.graphs_enabled:
-            return
-        widths = {self.max_graph_tokens} if self.exact else set(token_counts)
-        # every bucket up to each size: a prompt's last chunk is shorter than the budget
-        top = max((chunk_bucket(P) for P in chunk_tokens), default=0) if self.fused_attention else 0
-        chunks = {b for b in CHUNK_BUCKETS if b <= top}
-        for P in chunks:  # prompt chunks alone
-            self._graph(0, 0, 0, -1, P)
-        for B in batch_sizes:
-            for W in widths:
-                self._graph(B, W, self._batch_len(W, self.exact), self.scratch)
-                for P in chunks:
-                    self._graph(B, W, 0, -1, P)
+        """``GraphSet.capture``: graphs ahead of the first request."""
+        self.graphs.capture(token_counts, batch_sizes, chunk_tokens)
 
     def capture_serving(self, rows: int) -> int:
-        """Capture every graph a server's steps of up to ``rows`` rows use, ahead of its requests
-        (on first use each is a stall mid-stream: 100-140 ms for the 7B-shaped target on the H200):
-        one-token rows beside prompt chunks of every bucket (fast mode decodes such rows plainly;
-        exact mode's one width stands for every width), then every verification width alone, in
-        each batch bucket up to ``rows``. Returns how many were captured."""
-        before = len(self._graphs)
-        buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(rows))
-        self.capture(range(1, 2), buckets, chunk_tokens=(CHUNK_BUCKETS[-1],))
-        self.capture(range(2, self.max_graph_tokens + 1), buckets)
-        return len(self._graphs) - before
+        """``GraphSet.capture_serving``: every graph a server's steps of up to ``rows`` rows use."""
+        return self.graphs.capture_serving(rows)
+
+    def plain_beside_chunks(self, exact: bool) -> bool:
+        """``decoding.graphs.plain_beside_chunks`` for this model (the engine asks it)."""
+        return plain_beside_chunks(self.graphs_enabled, exact)
 
 
 def _want(logits: torch.Tensor, want: str) -> torch.Tensor | None:

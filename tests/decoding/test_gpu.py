@@ -91,7 +91,7 @@ def test_prompt_chunks_beside_decode_rows_run_as_graphs(gpu_models):
         assert step[2] is None and step[3] is None
         after = sm.forward_rows([Row(2, ids[100:101], 40), Row(3, ids[20:22], 20)])
         got[name] = [*step[:2], *after]
-    assert any(key[4] for key in graphs._graphs), "no chunk graph was captured"
+    assert any(key[4] for key in graphs.graphs), "no chunk graph was captured"
     for a, b in zip(got["graphs"], got["plain"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -219,7 +219,7 @@ def test_fast_mode_rows_beside_prompt_chunks_decode_plainly(gpu_models):
     ]
     expected = {r.request_id: engine.generate(r)[0] for r in reqs}
     assert run_batch(engine, reqs, join_at=[0, 2, 3, 5, 8, 9], budget=16) == expected
-    keys = set(target._graphs)  # (batch, width, attended length, slot, chunk tokens)
+    keys = set(target.graphs)  # (batch, width, attended length, slot, chunk tokens)
     assert [key for key in keys if key[4] and key[0]], "no step had prompt chunks beside decode rows"
     assert [key for key in keys if key[1] > 1 and not key[4]], "no step speculated"
     assert not [key for key in keys if key[1] > 1 and key[4]], sorted(keys)
@@ -353,7 +353,7 @@ def test_a_server_load_captures_every_graph_its_batches_use(exact):
         ]
     )
     statics = [models[n].runner_factory.__self__ for n in ("t", "d")]  # type: ignore[attr-defined]
-    captured = [set(s._graphs) for s in statics]
+    captured = [set(s.graphs) for s in statics]
     assert all(captured)
     engine = Engine(models)
     reqs = [
@@ -368,4 +368,4 @@ def test_a_server_load_captures_every_graph_its_batches_use(exact):
     ]
     run_batch(engine, reqs, join_at=[0, 1, 3, 6], budget=64)
     for s, before in zip(statics, captured, strict=True):
-        assert set(s._graphs) == before, sorted(set(s._graphs) - before)
+        assert set(s.graphs) == before, sorted(set(s.graphs) - before)

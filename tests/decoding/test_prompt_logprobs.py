@@ -214,7 +214,7 @@ def test_llamacpp_scoring_the_prompt_leaves_the_completion_alone(tiny_models, ti
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["cuda_graphs", "compile"])
 def test_graphed_backends_score_prompts_beside_graphed_steps(tiny_models, backend):
-    """A scored chunk runs the eager plan (StaticModel._chunk_graph_fits), a short one (at most
+    """A scored chunk runs the eager plan (GraphSet._chunks_fit), a short one (at most
     the graph width) with the decode rows; the scores are the model's own and the rows beside
     them decode as they do alone."""
     spec = ModelSpec(
