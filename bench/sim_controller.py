@@ -1,5 +1,5 @@
 """The speculation controller in a batch, against a cost model instead of a GPU: the engine's own
-choice of k (``Engine._choose_ks``, ``controller.choose_ks``: per-request SpecControllers alone, the
+choice of k (``Engine.ks_for``, ``controller.choose_ks``: per-request SpecControllers alone, the
 batch's BatchCosts from two rows) driven with step times from a table of measured graph replays, as
 the engine would measure them.
 
@@ -75,7 +75,7 @@ class _Target:
 
 @dataclass(eq=False)
 class _Seq:
-    """What ``Engine._choose_ks`` reads of a sequence, and the draft's cache length."""
+    """What ``Engine.ks_for`` reads of a sequence, and the draft's cache length."""
 
     controller: SpecController
     drafter: object
@@ -141,7 +141,7 @@ def simulate(
     every = list(seqs)
     clock, tokens = 0.0, 0
     while seqs:
-        ks = engine._choose_ks(seqs)  # type: ignore[arg-type]
+        ks = engine.ks_for(seqs)  # type: ignore[arg-type]
         K = max(ks)
         B = len(seqs)
         # the draft catches up outside its timed passes: its prompt at a row's first proposal, a

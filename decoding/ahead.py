@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 class Ahead:
     """An engine's steps queued ahead, per target model (where ``Engine.overlap`` says). They are the
-    engine's own steps: chosen, launched, passed and committed by its ``_choose_ks``, ``_launch``,
-    ``_forward`` and ``_commit_step``."""
+    engine's own steps: chosen, launched, passed and committed by its ``ks_for``, ``launch_step``,
+    ``target_pass`` and ``commit_step``."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -57,7 +57,7 @@ class Ahead:
             return [0] * len(decoding)
         if planned is not None and planned[0] == [id(s) for s in decoding]:
             return planned[1]
-        return self.engine._choose_ks(decoding)
+        return self.engine.ks_for(decoding)
 
     def launch(
         self, rows: list[Sequence], verifying: Verifying, pick: list[int] | None, in_flight: int
@@ -77,7 +77,7 @@ class Ahead:
         if not rows or not all(self._chains(s) for s in rows):
             return
         name = rows[0].target.name
-        ks = self.engine._choose_ks(rows, pending=in_flight)
+        ks = self.engine.ks_for(rows, pending=in_flight)
         if any(ks):
             self.planned[name] = ([id(s) for s in rows], ks)
             return
@@ -90,7 +90,7 @@ class Ahead:
         timer = StepTimer(rows[0].target.device)
         timer.mark()
         start = time.perf_counter()
-        logits, _ = self.engine._forward(rows, batch, [])
+        logits, _ = self.engine.target_pass(rows, batch, [])
         verifying = Verifying.queue(rows, [None] * B, batch, logits)
         self.queued[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
         timer.stop()
@@ -108,7 +108,7 @@ class Ahead:
         live = [s for s in rows if s.finished is None]
         if not live or not self.overlaps(live[0]) or live[0].target.name in self.queued:
             return
-        step = self.engine._launch(live[0].target.device, live, self.planned_ks(live), [], undoable=True)
+        step = self.engine.launch_step(live[0].target.device, live, self.planned_ks(live), [], undoable=True)
         step.start = read_at
         self.queued[live[0].target.name] = step
 
@@ -138,5 +138,5 @@ class Ahead:
         applied = step.apply(kept, [by_row[id(s)] for s in kept])
         if whole:
             self.speculate(kept, read_at)
-        outs = self.engine._commit_step(step, kept, applied, read_at)
+        outs = self.engine.commit_step(step, kept, applied, read_at)
         return [outs.get(id(s)) for s in seqs]

@@ -168,7 +168,7 @@ class QueuedStep:
         its caches are cut back to them, it finishes where they end it, and logprobs are read from
         logits that the next step's pass may overwrite (a graph's buffer). What the next step's launch
         needs, and no more: the rows' controllers, stats and outputs can wait until it is queued
-        (Engine._commit_step; with them the device waited ~12 us a row on a 2-core EPYC, 0.75 ms a
+        (Engine.commit_step; with them the device waited ~12 us a row on a 2-core EPYC, 0.75 ms a
         step at N = 64). ``undo`` is the inverse, for a step launched ahead that is not taken."""
         at = {id(s): b for b, s in enumerate(self.seqs)}
         out = []

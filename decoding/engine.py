@@ -38,7 +38,7 @@ from decoding.sampling import Scored, score
 from decoding.sequence import LoadedModel, Sequence
 from decoding.timing import StepTimer
 
-Timing = Literal["wall", "none"]  # what a step's cost sample is (Engine._commit_step)
+Timing = Literal["wall", "none"]  # what a step's cost sample is (Engine.commit_step)
 
 
 # The most prompt tokens a step feeds a sequence whose prompt is scored (SamplingParams.prompt_logprobs):
@@ -119,7 +119,7 @@ class Engine:
         plain = self._plain_beside_prompts(decoding, chunks)
         ks = self.ahead.planned_ks(decoding, plain)
         t0 = time.perf_counter()
-        step = self._launch(seqs[0].target.device, decoding, ks, chunks, plain)
+        step = self.launch_step(seqs[0].target.device, decoding, ks, chunks, plain)
         whole = len(decoding) == len(seqs) and not joining  # no prompt in this step or the next
         if whole and max(step.batch.n_drafts, default=1) == 0:
             self.ahead.launch(decoding, step.verifying, None, in_flight=1)
@@ -130,7 +130,7 @@ class Engine:
         applied = step.apply(decoding, results)
         if whole:
             self.ahead.speculate(decoding, read_at)
-        outs = self._commit_step(step, decoding, applied, read_at, timing)
+        outs = self.commit_step(step, decoding, applied, read_at, timing)
         for s, targets, scored in step.prompt_scores:  # read back with the step's results
             assert s.prompt_logprobs is not None
             s.prompt_logprobs += [
@@ -148,7 +148,7 @@ class Engine:
             outs[id(s)] = None
         return [outs.get(id(s)) for s in seqs]
 
-    def _launch(
+    def launch_step(
         self,
         device: torch.device,
         decoding: list[Sequence],
@@ -190,7 +190,7 @@ class Engine:
         batch = DecodeBatch.build(
             [s.tokens[-1] for s in decoding], [p.tokens if p is not None else None for p in proposals], device
         )
-        logits, prompt_logits = self._forward(decoding, batch, chunks)  # [B, W, V]; [T, V] per chunk
+        logits, prompt_logits = self.target_pass(decoding, batch, chunks)  # [B, W, V]; [T, V] per chunk
         verifying = Verifying.queue(decoding, proposals, batch, logits)
         timer.stop()
         prompt_scores = self._score_prompts(chunks, prompt_logits)  # their [T, V] logits go here
@@ -218,7 +218,7 @@ class Engine:
             out.append((s, targets, score(logits[id(s)], as_ids(targets, logits[id(s)].device), top_n)))
         return out
 
-    def _commit_step(
+    def commit_step(
         self,
         step: QueuedStep,
         rows: list[Sequence],
@@ -292,7 +292,7 @@ class Engine:
             chunks.append((s, n))
         return chunks
 
-    def _forward(
+    def target_pass(
         self, decoding: list[Sequence], batch: DecodeBatch, chunks: list[tuple[Sequence, int]]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The target's one pass: decoding rows and prefill chunks; logits of the decoding rows
@@ -334,7 +334,7 @@ class Engine:
             pop = self.population[key] = Population()
         return pop
 
-    def _choose_ks(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
+    def ks_for(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
         """Each row's k for the next step (``pending``: tokens of steps not yet read back), by
         ``controller.choose_ks``."""
         if not decoding:

@@ -340,7 +340,7 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
     join_at = [0, 3, 6]
     had_chunks: list[bool] = []
     timings: list[str] = []
-    chunks_of, commit = Engine._prefill_chunks, Engine._commit_step
+    chunks_of, commit = Engine._prefill_chunks, Engine.commit_step
 
     def spy_chunks(prefilling, budget):  # type: ignore[no-untyped-def]
         out = chunks_of(prefilling, budget)
@@ -352,7 +352,7 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
         return commit(self, step, rows, applied, end, timing)
 
     monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
-    monkeypatch.setattr(Engine, "_commit_step", spy_commit)
+    monkeypatch.setattr(Engine, "commit_step", spy_commit)
     assert run_batch(engine, reqs, join_at, budget=4) == expected
     assert len(had_chunks) == len(timings) and any(had_chunks) and not all(had_chunks)
     assert all(t == "none" for t, c in zip(timings, had_chunks, strict=True) if c)

@@ -279,11 +279,11 @@ def test_the_next_step_is_queued_before_the_rows_report(tiny_models, monkeypatch
 
     spy(QueuedStep, "apply")
     spy(Ahead, "speculate")
-    spy(Engine, "_commit_step")
+    spy(Engine, "commit_step")
     reqs = [request(tiny_models, p, "draft", 4) for p in PROMPTS[:3]]
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
     calls.clear()
     assert run_batch(overlapping(tiny_models), reqs) == expected
     queued = [i for i, c in enumerate(calls) if c == "speculate"]
     assert queued, "no step was queued after a commit"
-    assert all(calls[i - 1] == "apply" and calls[i + 1] == "_commit_step" for i in queued)
+    assert all(calls[i - 1] == "apply" and calls[i + 1] == "commit_step" for i in queued)
