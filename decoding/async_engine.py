@@ -274,8 +274,8 @@ def default_prefill_budget(engine: Engine) -> int:
     """Prompt tokens per step. On the H200's 7B shape 16 decode rows cost 4.4 ms of kernel time a
     step, 6.3 ms beside a 128-token chunk at 3,000 tokens of context (bench.probe_prefill kernels);
     beside a 256-token chunk a step took 2.5x one alone (measured before the chunk kernel's grid was
-    cut, not since): 128 keeps the streams' inter-token latency within
-    2x while a long prompt prefills (bench.gpu_batch). A CPU pays for every row, so its chunks are
-    smaller (docs/benchmarks.md)."""
+    cut, not since): 128 keeps the streams' inter-token latency within 2x while a long prompt
+    prefills (bench.gpu_batch). A CPU pays for every row, so its chunks are smaller
+    (docs/benchmarks.md)."""
     on_gpu = any(m.device.type == "cuda" for m in engine.models.values())
     return 128 if on_gpu else 64

@@ -8,6 +8,7 @@ All three times are measured on this request as it runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -193,7 +194,7 @@ class SpecController:
             self.t_draft = _ema(self.t_draft, t_draft / k)
             self.spec_tokens_w = 0.9 * self.spec_tokens_w + accepted + 1
             self.spec_seconds_w = 0.9 * self.spec_seconds_w + t_draft + t_target
-            _sample(self.t_verify, k, t_target, self._t_verify(k))  # a first sample too is bounded
+            _sample(self.t_verify, k, t_target, lambda: self._t_verify(k))  # a first sample too is bounded
         # decay old evidence so acceptance tracks the text being generated now
         self.accepted_w = 0.9 * self.accepted_w + accepted
         self.rejected_w = 0.9 * self.rejected_w + (1 if accepted < k else 0)
@@ -314,9 +315,9 @@ class BatchCosts:
             self.plain[b] = _ema(self.plain.get(b), t_target)
             self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
             return
-        _sample(self.target, pow2_bucket(rows), t_target, self.t_target(rows))
+        _sample(self.target, pow2_bucket(rows), t_target, lambda: self.t_target(rows))
         if t_draft > 0:
-            _sample(self.draft, pow2_bucket(batch), t_draft / k, self.t_draft(batch))
+            _sample(self.draft, pow2_bucket(batch), t_draft / k, lambda: self.t_draft(batch))
 
     def observe_goodput(
         self, batch: int, k: int, model: bool, expected: float, tokens: int, seconds: float
@@ -410,15 +411,16 @@ class BatchCosts:
         return min(2, k_max) if probe else 0
 
 
-def _sample(table: dict[int, float], b: int, t: float, guess: float | None) -> None:
+def _sample(table: dict[int, float], b: int, t: float, guess: Callable[[], float | None]) -> None:
     """Fold one cost sample into ``table[b]``. A bucket's first sample counts at most ``OUTLIER``
-    times what the tables predicted for it (``guess``; None: nothing to predict from), as later
-    samples count at most that times the estimate: a shape's first step can pay one-off costs (a
-    kernel loaded, memory allocated: bench.probe_auto_fast at N = 64 on the H200 recorded the first
-    256-row verification at 43.9 ms, the same shape's later samples at 7-9 ms), and a first sample is
-    the whole estimate, which a batch it turns off then re-measures only at probes."""
-    if b not in table and guess is not None:
-        t = min(t, OUTLIER * guess)
+    times what the tables predicted for it (``guess()``, asked only then, not every step; None:
+    nothing to predict from), as later samples count at most that times the estimate: a shape's
+    first step can pay one-off costs (a kernel loaded, memory allocated: bench.probe_auto_fast at
+    N = 64 on the H200 recorded the first 256-row verification at 43.9 ms, the same shape's later
+    samples at 7-9 ms), and a first sample is the whole estimate, which a batch it turns off then
+    re-measures only at probes."""
+    if b not in table and (predicted := guess()) is not None:
+        t = min(t, OUTLIER * predicted)
     table[b] = _ema(table.get(b), t)
 
 
