@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
             dm.capture(range(1, dm.max_graph_tokens + 1), buckets)  # a 9-token catch-up row too
             for m in (te, dm):  # prompts and the draft's prompt backlogs, up to 512 tokens a step
                 m.capture(range(0), (), chunk_tokens=(128, 256, 512))
+            for m in (tm, te, dm):  # the start-up cost table, as the loader times it (BatchCosts.seed)
+                m.time_steps()
             # warm-up passes capture this N's graphs (both target modes, the draft) before timing
             asyncio.run(run_requests(engines[id(fast)], requests(N, "off")))
             warm = requests(N, "on")

@@ -60,6 +60,8 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
         tm.capture(range(2, tm.max_graph_tokens + 1), buckets)
     dm.capture(range(1, dm.max_graph_tokens + 1), buckets)
     dm.capture(range(0), (), chunk_tokens=(128, 256, 512))
+    for m in (tm, dm):  # the start-up cost table, as the loader times it (BatchCosts.seed)
+        m.time_steps()
     fast = replay_engine(target, draft, tm, dm, tm.max_len if exact else MAX_LEN, MAX_LEN)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 150000, (N, PROMPT), generator=gen)
@@ -75,15 +77,23 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
     choices: list[str] = []
     best_k = BatchCosts.best_k
 
-    def logged(self, rows, prior, probe):  # type: ignore[no-untyped-def]
-        k = best_k(self, rows, prior, probe)
+    def logged(self, rows, prior, probe, **kw):  # type: ignore[no-untyped-def]
+        k = best_k(self, rows, prior, probe, **kw)
         B = len(rows)
         t = [self.t_target(B * (j + 1)) for j in range(3)]
         choices.append(
             f"k={k} probe={probe} a={[round(a, 2) for a, _, _ in rows]} t_target(B(k+1)), k=0..2: "
-            f"{[round(1e3 * x, 2) if x else None for x in t]} ms, t_draft {self.t_draft(B)}"
+            f"{[round(1e3 * x, 2) if x else None for x in t]} ms, t_draft {self.t_draft(B)}, {kw}"
         )
         return k
+
+    b = batch_bucket(N)
+    print(
+        f"N={N} start-up table (ms): target {[(W, round(1e3 * tm.step_costs.get((b, W), 0), 2)) for W in range(1, 10)]}"
+        f", draft pass {round(1e3 * dm.step_costs.get((b, 1), 0), 2)}"
+        f", draft chunk of 512 {round(1e3 * dm.step_costs.get((0, 512), 0), 2)}",
+        flush=True,
+    )
 
     def timed(self, seqs, budget=None, joining=False):  # type: ignore[no-untyped-def]
         g0 = {("t", *k) for k in tm.graphs} | {("d", *k) for k in dm.graphs}
@@ -128,7 +138,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
             for i, r in enumerate(auto):
                 fast.references[r.request_id] = corrupt(ref[i], 0.8, gen)
             Engine.step_batch = timed  # type: ignore[method-assign]
-            BatchCosts.best_k = logged  # type: ignore[method-assign]
+            BatchCosts.best_k = logged  # type: ignore[method-assign,assignment]
             log.clear()
             emitted.clear()
             choices.clear()

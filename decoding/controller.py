@@ -23,6 +23,11 @@ EMA = 0.3  # weight of the newest observation
 MIN_LEFT_TO_PROBE = 32
 
 
+# The most tokens a row is counted on to emit when a draft's catch-up is weighed against what
+# speculation would gain over them (BatchCosts.best_k): a request's max_tokens is an upper bound,
+# often the context's, and most answers end well before it.
+CATCH_UP_HORIZON = 256
+
 # A sample this many times the estimate counts as this many times it: one stall (a graph captured on
 # first use, a collector pause) must not outweigh the steps around it for the next dozen steps.
 OUTLIER = 2.0
@@ -113,6 +118,18 @@ class SpecController:
         if self.probing:
             self.probing, self.probe_every = False, self.min_probe_every
         return k
+
+    def seed(self, target: dict[tuple[int, int], float], draft: dict[tuple[int, int], float] | None) -> None:
+        """Start from the model's step tables (``StaticModel.time_steps``, as ``BatchCosts.seed``): a
+        plain step, a verification of each k and a draft pass at one row, each as a first sample,
+        so that the first steps choose k by costs, not by a measuring step at k = 2."""
+        if self.t_plain is None:
+            self.t_plain = target.get((1, 1))
+        for k in range(1, self.k_max + 1):
+            if (1, k + 1) in target:
+                self.t_verify.setdefault(k, target[1, k + 1])
+        if self.t_draft is None and draft:
+            self.t_draft = draft.get((1, 1))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The prompt's prefill, timed: its cost per token is the slope of verification cost in k
@@ -295,6 +312,46 @@ class BatchCosts:
     on_margin: float = 1.1
     off: bool = False
     off_steps: int = 0  # steps since speculation went off or was last probed
+    # The start-up cost table (``seed``): replayed graphs' device times by bucket, for shapes no step
+    # has measured yet. Without it a batch's first steps are judged by guesses (a verification as a
+    # plain step, a draft pass as its parameter share), and at N = 64 on the H200 the first guess
+    # tried k = 1, which is break-even there, and paid the draft's catch-up over every prompt for it.
+    seed_target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds
+    seed_draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per pass
+    # seconds per token of a draft's catch-up (its prompt-chunk graphs' replays; None: not timed)
+    catch_up_token: float | None = None
+    # the tables seeded from, held (not their ids, which a new table could reuse): one timed again reseeds
+    seeded_from: tuple[object, object] = (None, None)
+
+    def seed(self, target: dict[tuple[int, int], float], draft: dict[tuple[int, int], float] | None) -> None:
+        """Start from the target's and the draft's step tables (``StaticModel.time_steps``: device
+        seconds by (batch bucket, width)); cheap to call every step, it reads a table once. A
+        plain step's seed counts as one sample of it (a replay's device time is what a plain step
+        queued back to back costs); a verification's and a draft pass's stand only until a step of
+        their shape is measured (a speculative step's wall time has the host's share in it, which a
+        replay does not). Buckets are powers of two, as the measured tables'; a rows bucket a
+        verification of several (batch, width) falls in takes the dearest of them."""
+        seen_target, seen_draft = self.seeded_from
+        if target is not seen_target:
+            self.seed_target = {}
+            for (B, W), t in target.items():
+                if not B or pow2_bucket(B) != B:
+                    continue  # prompt chunks; a graph bucket between powers of two (its table bucket is the next)
+                if W == 1 and B not in self.plain:
+                    self.plain[B], self.plain_samples[B] = t, 1
+                elif W > 1:
+                    r = pow2_bucket(B * W)
+                    self.seed_target[r] = max(t, self.seed_target.get(r, 0.0))
+        if draft is not None and draft is not seen_draft:
+            for (B, W), t in draft.items():
+                if W == 1 and pow2_bucket(B) == B:
+                    self.seed_draft[B] = t
+            chunks = [(W, t) for (B, W), t in draft.items() if B == 0]  # prompt chunks alone: W tokens
+            if chunks:
+                P, t = max(chunks)
+                self.catch_up_token = t / P
+            seen_draft = draft
+        self.seeded_from = (target, seen_draft)
 
     def probe_turn(self) -> bool:
         """True once speculation has been off for ``probe_period`` x ``backoff`` batched steps since
@@ -356,20 +413,34 @@ class BatchCosts:
         costed between the plain step of 64 and a measured verification of 256, not as the latter
         (which kept k = 1 from ever being tried at N = 64 on the H200)."""
         points = dict(self.plain)
-        for b, t in self.target.items():
+        for b, t in (self.seed_target | self.target).items():  # measured over seeded
             points[b] = max(t, points.get(b, t))
         return _lookup(points, rows)
 
     def t_draft(self, batch: int) -> float | None:
-        if not self.draft:
+        table = self.seed_draft | self.draft if self.seed_draft else self.draft
+        if not table:
             return None
         b = pow2_bucket(batch)
-        return self.draft.get(b) or self.draft[min(self.draft, key=lambda x: abs(x - b))]
+        return table.get(b) or table[min(table, key=lambda x: abs(x - b))]
 
-    def best_k(self, rows: list[tuple[float, bool, int]], draft_cost_prior: float, probe: bool) -> int:
+    def best_k(
+        self,
+        rows: list[tuple[float, bool, int]],
+        draft_cost_prior: float,
+        probe: bool,
+        backlog: int = 0,
+        left: int = 0,
+    ) -> int:
         """rows: (acceptance estimate, drafts with a model, the most it may draft) per adaptive row.
         With nothing measured yet, the step is plain (it measures what speculation must beat); when
-        no k pays, 0, except on a probe turn, which drafts 2 to refresh the estimates."""
+        no k pays, 0, except on a probe turn, which drafts 2 to refresh the estimates.
+
+        ``backlog``: tokens the rows' drafts have not seen (a prompt, plain steps' tokens), which the
+        first speculative step catches up on; ``left``: tokens the rows may still emit. Where the
+        catch-up's cost is known (``catch_up_token``), a k pays only if it repays that cost over
+        what is left: at N = 64 on the H200 k = 1 gains ~4% a step, and catching up on 64 prompts
+        cost ~40 ms, more than the whole run's gain."""
         B = len(rows)
         k_max = max((k for _, _, k in rows), default=0)
         t_plain = self.t_plain(B)
@@ -381,10 +452,13 @@ class BatchCosts:
             t_draft = draft_cost_prior * t_plain
         realised = self.realised
         discount = min(1.0, realised) if realised is not None else 1.0
+        catch_up = backlog * (self.catch_up_token or 0.0) if model else 0.0
         best_k, best_rate, modelled = 0, B / t_plain, 0.0
         for k in range(1, k_max + 1):
             t = (self.t_target(B * (k + 1)) or t_plain) + (k * t_draft if model else 0.0)
             rate = sum(expected_tokens(a, min(k, cap)) for a, _, cap in rows) / t
+            if catch_up and left:  # left tokens at this rate, and the catch-up before them
+                rate = left / (left / rate + catch_up)
             if rate * discount > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted rows
                 best_k, best_rate, modelled = k, rate * discount, rate
         if self.off and probe:  # a probe: the next one comes later, unless this one pays
@@ -449,6 +523,7 @@ class KRow(NamedTuple):
     model: bool  # it drafts with a model (whose passes cost; prompt lookup's do not)
     emitted: int  # tokens it has emitted, those of steps not yet read back included
     left: int  # tokens it may still emit before max_tokens, the same counted
+    backlog: int = 0  # tokens its draft model has yet to catch up on before it drafts
 
 
 def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
@@ -457,11 +532,13 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     (``BatchCosts.best_k``, which ``costs`` measures for the rows' target); rows with a fixed k keep
     it. A row drafting with a model drafts nothing in the step that gives its first token: that token
     does not wait for its draft to take in the prompt (as a request alone, whose first step is plain),
-    and the draft catches up when it first drafts. Speculation that is off stays off for rows near
-    their ends (MIN_LEFT_TO_PROBE)."""
+    and the draft catches up when it first drafts (alone too, where costs seeded from the start-up
+    table would otherwise speculate at once). Speculation that is off stays off for rows near their
+    ends (MIN_LEFT_TO_PROBE)."""
     batched = len(rows) >= 2
-    shared = [batched and r.drafts and r.controller.speculate and r.controller.adaptive for r in rows]
-    first = [on and r.model and r.emitted == 0 for r, on in zip(rows, shared, strict=True)]
+    adaptive = [r.drafts and r.controller.speculate and r.controller.adaptive for r in rows]
+    shared = [batched and a for a in adaptive]
+    first = [a and r.model and r.emitted == 0 for r, a in zip(rows, adaptive, strict=True)]
     sharing = [r for r, on, f in zip(rows, shared, first, strict=True) if on and not f]
     k_shared = 0
     if sharing:
@@ -471,6 +548,8 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
                 [(r.controller.acceptance, r.model, r.controller.k_max) for r in sharing],
                 max(r.controller.draft_cost_prior for r in sharing),
                 probe=probe,
+                backlog=sum(r.backlog for r in sharing),
+                left=sum(min(r.left, CATCH_UP_HORIZON) for r in sharing),
             )
     ks = []
     for r, on, f in zip(rows, shared, first, strict=True):

@@ -81,8 +81,14 @@ class DraftModelDrafter:
         self.shape: DraftShape | None = None  # the request's logit_bias / grammar, set by the engine
         self.inline = self.INLINE_GPU if device.type == "cuda" else self.INLINE
 
+    def backlog(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` a proposal would first catch up on (``catch_up``; 0: none, or few
+        enough to feed in its first draft pass)."""
+        n = len(tokens) - 1 - self.runner.length
+        return n if n + 1 > self.inline else 0
+
     def catch_up(self, tokens: list[int]) -> None:
-        if len(tokens) - self.runner.length > self.inline:
+        if self.backlog(tokens):
             self.runner.forward(tokens[self.runner.length : -1], logits=False)
 
     def propose(
@@ -240,10 +246,8 @@ def catch_up_many(items: list[ProposeItem]) -> None:
     will draft do so: in passes of up to CATCH_UP_ROWS rows and a prefill chunk of tokens."""
     todo = []
     for drafter, tokens, k, *_ in items:
-        if isinstance(drafter, DraftModelDrafter) and k > 0:
-            seen = drafter.runner.length
-            if len(tokens) - seen > drafter.inline:
-                todo.append((drafter.runner, tokens[seen:-1], drafter.device))
+        if isinstance(drafter, DraftModelDrafter) and k > 0 and drafter.backlog(tokens):
+            todo.append((drafter.runner, tokens[drafter.runner.length : -1], drafter.device))
     while todo:
         budget = getattr(todo[0][0], "prefill_chunk", None) or sum(len(t) for _, t, _ in todo)
         batch: list[tuple[SequenceRunner, torch.Tensor]] = []

@@ -82,6 +82,7 @@ class Engine:
         seq = admission.new_sequence(self.models, target, request, runner, drafter)
         if drafter is not None:
             self._population(seq).seed(seq.controller)
+            seq.controller.seed(*_step_tables(seq))
         return seq
 
     def _drafter(self, target: LoadedModel, request: GenerationRequest) -> Drafter | None:
@@ -325,7 +326,11 @@ class Engine:
         return pad_sequence([t for t in out[: len(decoding)] if t is not None], batch_first=True), scored
 
     def _costs(self, seq: Sequence) -> BatchCosts:
-        return self.costs.setdefault(seq.target.name, BatchCosts())
+        costs = self.costs.get(seq.target.name)
+        if costs is None:
+            costs = self.costs[seq.target.name] = BatchCosts()
+        costs.seed(*_step_tables(seq))  # once per table
+        return costs
 
     def _population(self, seq: Sequence) -> Population:
         key = (seq.target.name, seq.stats.drafter)
@@ -346,6 +351,7 @@ class Engine:
                 isinstance(s.drafter, DraftModelDrafter),
                 s.completion_tokens + pending,
                 s.request.params.max_tokens - s.completion_tokens - pending,
+                s.drafter.backlog(s.tokens) if isinstance(s.drafter, DraftModelDrafter) else 0,
             )
             for s in decoding
         ]
@@ -386,3 +392,17 @@ class Engine:
                     return out, seq.stats, step.finish_reason
         finally:
             seq.release()
+
+
+_NO_TABLE: dict[tuple[int, int], float] = {}
+
+
+def _step_tables(seq: Sequence) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float] | None]:
+    """The start-up step tables (``StaticModel.step_costs``) of a sequence's target and, where it
+    drafts with a model, its draft; empty where its runners have none (eager, a CPU)."""
+
+    def table(runner: object) -> dict[tuple[int, int], float]:
+        return getattr(getattr(runner, "batch_model", None), "step_costs", None) or _NO_TABLE
+
+    draft = table(seq.drafter.runner) if isinstance(seq.drafter, DraftModelDrafter) else None
+    return table(seq.runner), draft

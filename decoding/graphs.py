@@ -13,7 +13,7 @@ A step's shape (width, batch bucket, attended length; exact mode's padding) is d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -170,6 +170,41 @@ class GraphSet:
         self.capture(range(1, 2), buckets, chunk_tokens=(CHUNK_BUCKETS[-1],))
         self.capture(range(2, self.m.max_graph_tokens + 1), buckets)
         return len(self.captured) - before
+
+    @torch.inference_mode()  # as every step's tensors are: the graphs' buffers are inference tensors
+    def time_replays(self, reps: int = 5) -> dict[tuple[int, int], float]:
+        """Device seconds of a replay of each captured step of short rows alone, by (batch bucket,
+        width), and of prompt chunks alone, by (0, chunk tokens): the start-up cost table
+        (``StaticModel.time_steps``). Each graph replays ``reps``
+        times on the scratch slot (its rows reset there first: a graph used in serving still holds
+        a live row's slot and start, which a replay would overwrite) and counts its median. At the
+        shortest context, so a long context's attention is not in it: the engine's measured steps
+        replace these as they run (``BatchCosts.seed``). Not while requests run: the replays share
+        the graphs' buffers."""
+        events: dict[tuple[int, int], list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+        for (B, W, _, slot, P), g in self.captured.items():
+            shape = (B, W) if B else (0, P)  # short rows, or prompt chunks alone (P tokens)
+            if (B and P) or shape in events or slot not in (-1, self.m.scratch):
+                continue  # rows beside chunks; a one-row graph per slot writes to its slot: the scratch one's
+            if B:
+                g._set_rows([], [], torch.zeros(0, W, dtype=torch.long))
+            else:
+                g._fill_chunks(())
+            events[shape] = [_timed(g.graph.replay) for _ in range(reps)]
+        torch.cuda.synchronize()
+        return {
+            shape: sorted(s.elapsed_time(e) for s, e in pairs)[reps // 2] / 1e3
+            for shape, pairs in events.items()
+        }
+
+
+def _timed(work: Callable[[], None]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """``work`` queued between two timing events (read them after a sync)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    return start, end
 
 
 class _Graph:

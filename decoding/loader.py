@@ -299,8 +299,9 @@ def runner_factories(
     if spec.max_batch and static.graphs_enabled:
         t0 = time.perf_counter()
         n = static.capture_serving(spec.max_batch)
+        static.time_steps()  # the engine's batch cost model starts from these (BatchCosts.seed)
         log.info(
-            "model %s: %d CUDA graphs captured (steps of up to %d rows) in %.1fs",
+            "model %s: %d CUDA graphs captured and timed (steps of up to %d rows) in %.1fs",
             spec.name,
             n,
             spec.max_batch,

@@ -180,6 +180,9 @@ class StaticModel(PooledSlots):
         self.step_override: Callable[..., torch.Tensor] | None = (
             None  # another compiler's whole step for one row (trt.py)
         )
+        # device seconds of a step of short rows by (batch bucket, width), timed at start-up
+        # (``time_steps``); empty where nothing was timed (no graphs: a CPU)
+        self.step_costs: dict[tuple[int, int], float] = {}
 
     # ---- slots (free_slots, acquire, release: PooledSlots) -------------------------------------
 
@@ -410,6 +413,20 @@ class StaticModel(PooledSlots):
     def capture_serving(self, rows: int) -> int:
         """``GraphSet.capture_serving``: every graph a server's steps of up to ``rows`` rows use."""
         return self.graphs.capture_serving(rows)
+
+    def time_steps(self) -> dict[tuple[int, int], float]:
+        """``GraphSet.time_replays`` of the graphs captured so far, kept as ``step_costs``: the
+        table the engine's batch cost model starts from (before requests: the replays write to the
+        scratch slot through the graphs' own buffers)."""
+        table = self.graphs.time_replays()
+        if self.exact:  # every row runs at the one exact width (step_shape): a step of any width costs that
+            table = {
+                (B, w) if B else (B, W): t
+                for (B, W), t in table.items()
+                for w in (range(1, self.max_graph_tokens + 1) if B else (W,))
+            }
+        self.step_costs = table
+        return table
 
     def plain_beside_chunks(self, exact: bool) -> bool:
         """``decoding.graphs.plain_beside_chunks`` for this model (the engine asks it)."""

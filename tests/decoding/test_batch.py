@@ -365,7 +365,7 @@ def test_a_rows_first_token_never_waits_for_its_draft(tiny_models, monkeypatch):
     the rows already decoding keep drafting in that step, and every output is still its own alone."""
     from decoding.controller import BatchCosts
 
-    monkeypatch.setattr(BatchCosts, "best_k", lambda self, rows, prior, probe: 3)
+    monkeypatch.setattr(BatchCosts, "best_k", lambda self, rows, prior, probe, **_: 3)
     engine = Engine(tiny_models)
     reqs = [request(tiny_models, f"{i} some prompt words", "draft", 4, adaptive=True) for i in range(2)]
     expected = {r.request_id: alone(engine, r) for r in reqs}

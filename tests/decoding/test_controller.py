@@ -347,3 +347,91 @@ def test_a_request_alones_stalled_first_verification_does_not_switch_it_off():
     c.observe(k, k, k * 0.001, 0.05)
     assert c.t_verify[k] == 2 * 0.005
     assert c.choose_k() > 0
+
+
+def _table(
+    plain: dict[int, float], per_width: float, widths: range = range(1, 10)
+) -> dict[tuple[int, int], float]:
+    """A start-up step table (StaticModel.time_steps): a step of B rows at width W costs the plain
+    step of B plus ``per_width`` x B x (W - 1)."""
+    return {(B, W): t + per_width * B * (W - 1) for B, t in plain.items() for W in widths}
+
+
+def test_a_batch_seeded_from_the_start_up_table_speculates_from_its_first_step_where_it_pays():
+    """With the target's and draft's replay times, the first step of a batch chooses k by them (an
+    unseeded batch's first step is plain, to measure what speculation must beat)."""
+    rows = [(0.8, True, 8)] * 4
+    assert BatchCosts().best_k(rows, 0.07, probe=False) == 0
+    costs = BatchCosts()
+    costs.seed(_table({4: 0.005}, 1e-5), {(4, 1): 0.0008})
+    assert costs.best_k(rows, 0.07, probe=False) >= 3
+    assert costs.t_draft(4) == 0.0008
+
+
+def test_a_batch_seeded_where_verification_is_dear_does_not_try_it():
+    """At 64 rows on the H200 a k = 1 step (a 128-row verification and a draft pass) is break-even
+    against a plain step: seeded with such times, the batch does not draft before it has measured
+    anything (unseeded, its first speculative step paid the draft's catch-up over every prompt)."""
+    rows = [(0.5, True, 8)] * 64
+    costs = BatchCosts()
+    costs.observe(64, 64, 0, 0.0, 0.0047)  # plain: 4.7 ms
+    assert costs.best_k(rows, 0.07, probe=False) > 0  # a verification costed as the plain step
+    seeded = BatchCosts()
+    seeded.seed(
+        {(64, 1): 0.0047, (64, 2): 0.0062, (32, 4): 0.0062, (64, 3): 0.0075, (64, 4): 0.0085},
+        {(64, 1): 0.0017},
+    )
+    assert seeded.best_k(rows, 0.07, probe=False) == 0
+
+
+def test_a_measured_step_replaces_the_seed_and_a_new_table_reseeds():
+    """A seed stands until a step of its shape is measured; the measurement's first sample is then
+    the estimate (bounded by OUTLIER x the seed), not averaged with it. Seeding again from the same
+    table changes nothing; a table timed again is read again."""
+    costs = BatchCosts()
+    table = _table({8: 0.005}, 0.0)
+    costs.seed(table, {(8, 1): 0.001})
+    assert costs.t_target(16) == pytest.approx(0.005)
+    costs.observe(8, 16, 1, 0.0012, 0.0061)
+    assert costs.t_target(16) == pytest.approx(0.0061)
+    assert costs.t_draft(8) == pytest.approx(0.0012)
+    costs.observe(8, 32, 3, 0.003, 0.5)  # a stalled first sample of 32 rows
+    assert costs.t_target(32) == pytest.approx(2 * 0.005)
+    costs.observe(8, 8, 0, 0.0, 0.006)
+    plain, draft = costs.t_plain(8), costs.t_draft(8)
+    costs.seed(table, None)
+    assert costs.t_plain(8) == plain and costs.t_draft(8) == draft
+    costs.seed(_table({8: 0.005, 16: 0.007}, 0.0), None)
+    assert costs.t_plain(16) == pytest.approx(0.007) and costs.t_plain(8) == plain
+
+
+def test_a_request_alone_seeded_chooses_k_by_costs_but_its_first_token_stays_plain():
+    """Alone, a seeded controller's first drafting step picks k by the table (unseeded: a measuring
+    step at k = 2); a row drafting with a model still gives its first token from a plain step, so
+    the token does not wait for the draft to take in the prompt."""
+    c = SpecController(k_max=8)
+    c.accepted_w, c.rejected_w = 9.0, 1.0
+    c.seed(_table({1: 0.005}, 1e-5), {(1, 1): 0.0003})
+    row = KRow(c, True, True, 0, 100)
+    assert choose_ks([row], BatchCosts()) == [0]
+    assert choose_ks([row._replace(emitted=1)], BatchCosts())[0] >= 4
+    lookup = SpecController(k_max=8)
+    lookup.seed(_table({1: 0.005}, 1e-5), None)
+    assert lookup.t_draft is None and choose_ks([KRow(lookup, True, False, 0, 100)], BatchCosts()) == [2]
+
+
+def test_a_batch_speculates_only_where_the_gain_repays_its_drafts_catch_up():
+    """The first speculative step of rows that decoded plainly catches their draft up on what it has
+    not seen (a prompt each). With its cost known (the draft's prompt-chunk graphs, timed at start-up),
+    a k that gains a little a step is not worth it over a few tokens left, and still is over many;
+    a draft that is caught up pays nothing."""
+    costs = BatchCosts()
+    costs.seed({(64, 1): 0.0047, (64, 2): 0.0055}, {(64, 1): 0.0015, (0, 512): 0.0012})
+    assert costs.catch_up_token == pytest.approx(0.0012 / 512)
+    rows = [(0.8, True, 1)] * 64  # k = 1: 1.8 tokens a row in 7.0 ms against 1 in 4.7 (1.2x)
+    assert costs.best_k(rows, 0.07, probe=False) == 1
+    assert costs.best_k(rows, 0.07, probe=False, backlog=64 * 128, left=64 * 128) == 1
+    assert costs.best_k(rows, 0.07, probe=False, backlog=64 * 128, left=64 * 16) == 0
+    assert costs.best_k(rows, 0.07, probe=False, backlog=0, left=64 * 16) == 1
+    lookup = [(0.8, False, 1)] * 64  # prompt lookup has nothing to catch up on
+    assert costs.best_k(lookup, 0.07, probe=False, backlog=64 * 128, left=64 * 16) == 1

@@ -369,3 +369,30 @@ def test_a_server_load_captures_every_graph_its_batches_use(exact):
     run_batch(engine, reqs, join_at=[0, 1, 3, 6], budget=64)
     for s, before in zip(statics, captured, strict=True):
         assert set(s.graphs) == before, sorted(set(s.graphs) - before)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_timing_the_captured_steps_leaves_every_live_slot_as_it_was(gpu_models, exact):
+    """StaticModel.time_steps (the engine's start-up cost table) replays every captured graph of short
+    rows and of prompt chunks alone, on the scratch slot: a graph whose buffers still hold a served row's slot and start does
+    not write to it, so a running sequence's next logits are unchanged. Every (batch, width) a step
+    can take gets a positive time; in exact mode every width costs what its one width does."""
+    sm = StaticModel(gpu_models["tiny"].model, 256, slots=2, graphs=True, exact=exact)
+    sm.capture(range(1, 4), (1, 2), chunk_tokens=(32,))
+    r = sm.runner()
+    r.forward(list(range(10, 40)), logits=False)
+    base = r.length
+    r.forward([7, 8])  # a graph of width 2 now holds this row's slot and start, and tokens 7, 8
+    r.crop(base)
+    r.forward([3])
+    r.forward([4])  # the cache at base, base + 1 now holds 3, 4 (7, 8 replayed there would change it)
+    before = r.forward([5])
+    r.crop(base + 2)
+    table = sm.time_steps()
+    widths = range(1, sm.max_graph_tokens + 1) if exact else range(1, 4)
+    chunks = {(0, 32)} if sm.fused_attention else set()  # prompt chunks alone run as graphs with it
+    assert set(table) == {(B, W) for B in (1, 2) for W in widths} | chunks
+    assert all(t > 0 for t in table.values())
+    if exact:
+        assert len({table[1, W] for W in widths}) == 1
+    assert torch.equal(r.forward([5]), before)
