@@ -83,7 +83,8 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
         t = [self.t_target(B * (j + 1)) for j in range(3)]
         choices.append(
             f"k={k} probe={probe} a={[round(a, 2) for a, _, _ in rows]} t_target(B(k+1)), k=0..2: "
-            f"{[round(1e3 * x, 2) if x else None for x in t]} ms, t_draft {self.t_draft(B)}, {kw}"
+            f"{[round(1e3 * x, 2) if x else None for x in t]} ms, t_draft {self.t_draft(B)}, {kw}, "
+            f"host {self.host}, seed gap {self.seed_gap}"
         )
         return k
 

@@ -127,10 +127,13 @@ class Ahead:
         queued = {id(s) for s in step.seqs}
         # no new rows, none about to join: the next step can be queued too
         whole = all(id(s) in queued for s in seqs) and not joining
+        began = time.perf_counter()
         if whole and step.batch.width == 1:  # plain: queue the next before this one's read
             pos = {id(s): i for i, s in enumerate(step.seqs)}
             pick = None if len(kept) == len(step.seqs) else [pos[id(s)] for s in kept]
             self.launch(kept, step.verifying, pick, in_flight=1)
+        chained = kept[0].target.name in self.queued  # a plain step queued behind this plain one
+        launched = time.perf_counter()
         results = step.verifying.results()
         read_at = time.perf_counter()
         self.taken += 1
@@ -139,4 +142,8 @@ class Ahead:
         if whole:
             self.speculate(kept, read_at)
         outs = self.engine.commit_step(step, kept, applied, read_at)
+        if chained:  # a plain step's host work, which a speculative step's wall time would show
+            self.engine.costs_of(kept[0]).observe_host(
+                len(kept), launched - began + time.perf_counter() - read_at
+            )
         return [outs.get(id(s)) for s in seqs]

@@ -320,6 +320,15 @@ class BatchCosts:
     seed_draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per pass
     # seconds per token of a draft's catch-up (its prompt-chunk graphs' replays; None: not timed)
     catch_up_token: float | None = None
+    # batch bucket -> host seconds of a plain step (its launch and commit), measured where plain steps
+    # queue ahead and hide it; a speculative step waits for it (its drafts and verification are
+    # launched after the sync that reads the step before), so a seeded verification, a replay's
+    # device time, is costed with it: at N = 64 on the H200 a 128-row verification replays in 5.0
+    # ms and took 9.3 in a step
+    host: dict[int, float] = field(default_factory=dict)
+    # batch bucket -> what measured verifications took beyond their seeds: once known, a seeded
+    # verification is costed with it rather than with a plain step's host time
+    seed_gap: dict[int, float] = field(default_factory=dict)
     # the tables seeded from, held (not their ids, which a new table could reuse): one timed again reseeds
     seeded_from: tuple[object, object] = (None, None)
 
@@ -372,7 +381,11 @@ class BatchCosts:
             self.plain[b] = _ema(self.plain.get(b), t_target)
             self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
             return
-        _sample(self.target, pow2_bucket(rows), t_target, lambda: self.t_target(rows))
+        r = pow2_bucket(rows)
+        _sample(self.target, r, t_target, lambda: self.t_target(rows, batch))
+        if r in self.seed_target:
+            b = pow2_bucket(batch)
+            self.seed_gap[b] = _ema(self.seed_gap.get(b), max(0.0, self.target[r] - self.seed_target[r]))
         if t_draft > 0:
             _sample(self.draft, pow2_bucket(batch), t_draft / k, lambda: self.t_draft(batch))
 
@@ -382,7 +395,7 @@ class BatchCosts:
         """A speculative step of ``batch`` rows drafting up to ``k``: ``tokens`` emitted in ``seconds``,
         against ``expected`` tokens (the rows' acceptance estimates before it) in the time the tables
         give it. Call before the step's own ``observe``."""
-        t = self.t_target(batch * (k + 1)) or self.t_plain(batch)
+        t = self.t_target(batch * (k + 1), batch) or self.t_plain(batch)
         if t is None or k == 0 or expected <= 0 or seconds <= 0:
             return
         if model:
@@ -404,16 +417,25 @@ class BatchCosts:
     def t_plain(self, batch: int) -> float | None:
         return _lookup(self.plain, batch) or _lookup(self.target, batch)
 
-    def t_target(self, rows: int) -> float | None:
+    def observe_host(self, batch: int, seconds: float) -> None:
+        """A plain step's host seconds (``host``)."""
+        b = pow2_bucket(batch)
+        self.host[b] = _ema(self.host.get(b), seconds)
+
+    def t_target(self, rows: int, batch: int | None = None) -> float | None:
         """A verification step of ``rows`` target rows: measured, never less than a measured plain
         step of as many rows; else interpolated between the steps of either kind measured on both
         sides of it (a plain step of as many rows costs about what a verification does), and past
         the largest measured, as that one (optimistic, so an unmeasured shape is tried once and then
         known). The plain steps bound it from below: a verification of 128 rows in a batch of 64 is
         costed between the plain step of 64 and a measured verification of 256, not as the latter
-        (which kept k = 1 from ever being tried at N = 64 on the H200)."""
+        (which kept k = 1 from ever being tried at N = 64 on the H200). A seeded verification counts
+        what measured ones of ``batch`` rows took beyond their seeds (``seed_gap``), or before any
+        was measured the host's time of a plain step (``host``): a measured one has it in it."""
         points = dict(self.plain)
-        for b, t in (self.seed_target | self.target).items():  # measured over seeded
+        host = (_lookup(self.seed_gap, batch) or _lookup(self.host, batch) or 0.0) if batch else 0.0
+        seeded = {b: t + host for b, t in self.seed_target.items()}
+        for b, t in (seeded | self.target).items():  # measured over seeded
             points[b] = max(t, points.get(b, t))
         return _lookup(points, rows)
 
@@ -455,7 +477,7 @@ class BatchCosts:
         catch_up = backlog * (self.catch_up_token or 0.0) if model else 0.0
         best_k, best_rate, modelled = 0, B / t_plain, 0.0
         for k in range(1, k_max + 1):
-            t = (self.t_target(B * (k + 1)) or t_plain) + (k * t_draft if model else 0.0)
+            t = (self.t_target(B * (k + 1), B) or t_plain) + (k * t_draft if model else 0.0)
             rate = sum(expected_tokens(a, min(k, cap)) for a, _, cap in rows) / t
             if catch_up and left:  # left tokens at this rate, and the catch-up before them
                 rate = left / (left / rate + catch_up)

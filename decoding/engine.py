@@ -249,7 +249,7 @@ class Engine:
         timed = timing != "none"
         if timed:
             B = len(step.seqs)  # the rows the device ran, those that left since included
-            costs = self._costs(rows[0])
+            costs = self.costs_of(rows[0])
             if W > 1 and len(rows) == B:  # what it gave against what the model expected of it
                 expected = sum(
                     expected_tokens(s.controller.acceptance, a.drafted)
@@ -325,7 +325,8 @@ class Engine:
             return batch.ids.new_zeros(0, 1, 1, dtype=torch.float), scored
         return pad_sequence([t for t in out[: len(decoding)] if t is not None], batch_first=True), scored
 
-    def _costs(self, seq: Sequence) -> BatchCosts:
+    def costs_of(self, seq: Sequence) -> BatchCosts:
+        """The batch cost model of ``seq``'s target, seeded from the start-up tables."""
         costs = self.costs.get(seq.target.name)
         if costs is None:
             costs = self.costs[seq.target.name] = BatchCosts()
@@ -355,7 +356,7 @@ class Engine:
             )
             for s in decoding
         ]
-        return choose_ks(rows, self._costs(decoding[0]))
+        return choose_ks(rows, self.costs_of(decoding[0]))
 
     def _commit(self, seq: Sequence, a: Applied, t_draft: float, t_target: float, timed: bool) -> StepOutput:
         """A row's controller, stats and output for a step it has taken (``QueuedStep.apply``)."""

@@ -395,8 +395,10 @@ def test_a_measured_step_replaces_the_seed_and_a_new_table_reseeds():
     costs.observe(8, 16, 1, 0.0012, 0.0061)
     assert costs.t_target(16) == pytest.approx(0.0061)
     assert costs.t_draft(8) == pytest.approx(0.0012)
-    costs.observe(8, 32, 3, 0.003, 0.5)  # a stalled first sample of 32 rows
-    assert costs.t_target(32) == pytest.approx(2 * 0.005)
+    costs.observe(8, 32, 3, 0.003, 0.5)  # a stalled first sample of 32 rows: at most twice its seed
+    assert costs.t_target(32) == pytest.approx(
+        2 * (0.005 + 0.0011)
+    )  # ... and what 16 rows took beyond theirs
     costs.observe(8, 8, 0, 0.0, 0.006)
     plain, draft = costs.t_plain(8), costs.t_draft(8)
     costs.seed(table, None)
@@ -435,3 +437,18 @@ def test_a_batch_speculates_only_where_the_gain_repays_its_drafts_catch_up():
     assert costs.best_k(rows, 0.07, probe=False, backlog=0, left=64 * 16) == 1
     lookup = [(0.8, False, 1)] * 64  # prompt lookup has nothing to catch up on
     assert costs.best_k(lookup, 0.07, probe=False, backlog=64 * 128, left=64 * 16) == 1
+
+
+def test_a_seeded_verification_is_costed_with_the_hosts_share_of_a_step():
+    """A replay's device time misses the host's work, which plain steps queued ahead hide and a
+    speculative step waits for: a seeded verification counts a plain step's host time until a
+    measured verification shows what steps of that batch take beyond their seeds."""
+    costs = BatchCosts()
+    costs.seed({(64, 1): 0.0047, (64, 2): 0.005, (64, 4): 0.0071}, {(64, 1): 0.001})
+    assert costs.t_target(128, 64) == pytest.approx(0.005)
+    costs.observe_host(64, 0.002)
+    assert costs.t_target(128, 64) == pytest.approx(0.007)
+    assert costs.best_k([(0.5, True, 1)] * 64, 0.07, probe=False) == 0  # 1.5 tokens in 8 ms: < plain
+    costs.observe(64, 128, 1, 0.0014, 0.0093)  # measured: 4.3 ms beyond the seed
+    assert costs.t_target(128, 64) == pytest.approx(0.0093)
+    assert costs.t_target(256, 64) == pytest.approx(0.0071 + 0.0043)
