@@ -175,12 +175,12 @@ class GraphSet:
     def time_replays(self, reps: int = 5) -> dict[tuple[int, int], float]:
         """Device seconds of a replay of each captured step of short rows alone, by (batch bucket,
         width), and of prompt chunks alone, by (0, chunk tokens): the start-up cost table
-        (``StaticModel.time_steps``). Each graph replays ``reps``
-        times on the scratch slot (its rows reset there first: a graph used in serving still holds
-        a live row's slot and start, which a replay would overwrite) and counts its median. At the
-        shortest context, so a long context's attention is not in it: the engine's measured steps
-        replace these as they run (``BatchCosts.seed``). Not while requests run: the replays share
-        the graphs' buffers."""
+        (``StaticModel.time_steps``). Each graph replays ``reps`` times on the scratch slot (its
+        rows reset there first: a graph used in serving still holds a live row's slot and start,
+        which a replay would overwrite) and counts its median. At the shortest context, so a long
+        context's attention is not in it, nor is the host's work around a step: the engine's
+        measured steps replace these as they run (``BatchCosts.seed``). Not while requests run:
+        the replays share the graphs' buffers."""
         events: dict[tuple[int, int], list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
         for (B, W, _, slot, P), g in self.captured.items():
             shape = (B, W) if B else (0, P)  # short rows, or prompt chunks alone (P tokens)
