@@ -279,8 +279,13 @@ class BatchCosts:
     target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per verification
     draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
     # While no k pays, the batch still drafts 2 on a probe turn (every probe_period x backoff steps),
-    # so the rows' acceptance estimates and the draft's cost follow the text being generated.
+    # so the rows' acceptance estimates and the draft's cost follow the text being generated. A
+    # probe catches every drafting row's draft model up on its backlog (its prompt, at the first),
+    # so its cost grows with the rows, while a large batch is where speculation pays least: past
+    # probe_rows such rows the period grows in proportion. At N = 64 on the H200 (bench.gpu_batch,
+    # 12:18 UTC) the probes' catch-ups cost 8% of a 128-token run that stayed plain.
     probe_period: int = 16
+    probe_rows: int = 8
     # While some k pays, one step in this many is plain: the plain cost is what speculation must beat,
     # and a batch that speculates from its first steps on would otherwise judge by one cold sample.
     # Where speculation beats plain by remeasure_margin, remeasure_slack times fewer (as
@@ -362,15 +367,26 @@ class BatchCosts:
             seen_draft = draft
         self.seeded_from = (target, seen_draft)
 
-    def probe_turn(self) -> bool:
+    def catch_up_cheap(self, backlog: int, batch: int) -> bool:
+        """Whether catching drafts up on ``backlog`` tokens costs at most a plain step of ``batch``
+        rows, by the start-up table (unknown: no). Then a row's first token may come from a
+        speculative step: on the H200 a 128-token prompt's catch-up is ~0.4 ms of a 4.5 ms step,
+        where a plain first step cost exact auto ~2% of a 128-token run against a fixed k."""
+        t_plain = self.t_plain(batch)
+        if self.catch_up_token is None or t_plain is None:
+            return False
+        return backlog * self.catch_up_token <= t_plain
+
+    def probe_turn(self, catching_up: int = 0) -> bool:
         """True once speculation has been off for ``probe_period`` x ``backoff`` batched steps since
-        it went off or was last probed: a step that may probe. (Counted from then, not by the step
-        count's residue, which put a probe as soon as one step after speculation went off.)"""
+        it went off or was last probed, that times ``catching_up / probe_rows`` where more rows than
+        that draft with a model: a step that may probe. (Counted from then, not by the step count's
+        residue, which put a probe as soon as one step after speculation went off.)"""
         self.steps += 1
         if not self.off:
             return False
         self.off_steps += 1
-        return self.off_steps >= self.probe_period * self.backoff
+        return self.off_steps >= self.probe_period * self.backoff * max(1.0, catching_up / self.probe_rows)
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
         """One decode step of ``batch`` rows and ``rows`` target rows in all (a step that prefilled
@@ -552,19 +568,23 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     """Each row's k for one step, never past its max_tokens. Alone: its own controller's choice. In a
     batch: one k for every adaptive row, the one that pays for the batch as a whole
     (``BatchCosts.best_k``, which ``costs`` measures for the rows' target); rows with a fixed k keep
-    it. A row drafting with a model drafts nothing in the step that gives its first token: that token
-    does not wait for its draft to take in the prompt (as a request alone, whose first step is plain),
-    and the draft catches up when it first drafts (alone too, where costs seeded from the start-up
-    table would otherwise speculate at once). Speculation that is off stays off for rows near their
-    ends (MIN_LEFT_TO_PROBE)."""
+    it. A row drafting with a model drafts nothing in the step that gives its first token, alone or
+    batched, unless the start-up table says its draft's catch-up on the prompt costs no more than a
+    plain step (``BatchCosts.catch_up_cheap``): that token does not wait long for its draft to take in
+    the prompt, and the draft catches up when it first drafts. Speculation that is off stays off for
+    rows near their ends (MIN_LEFT_TO_PROBE)."""
     batched = len(rows) >= 2
     adaptive = [r.drafts and r.controller.speculate and r.controller.adaptive for r in rows]
     shared = [batched and a for a in adaptive]
     first = [a and r.model and r.emitted == 0 for r, a in zip(rows, adaptive, strict=True)]
+    if any(first) and costs.catch_up_cheap(
+        sum(r.backlog for r, f in zip(rows, first, strict=True) if f), len(rows)
+    ):
+        first = [False] * len(rows)
     sharing = [r for r, on, f in zip(rows, shared, first, strict=True) if on and not f]
     k_shared = 0
     if sharing:
-        probe = costs.probe_turn()
+        probe = costs.probe_turn(sum(r.model for r in sharing))
         if not costs.off or sum(r.left for r in sharing) >= MIN_LEFT_TO_PROBE * len(sharing):
             k_shared = costs.best_k(
                 [(r.controller.acceptance, r.model, r.controller.k_max) for r in sharing],

@@ -452,3 +452,33 @@ def test_a_seeded_verification_is_costed_with_the_hosts_share_of_a_step():
     costs.observe(64, 128, 1, 0.0014, 0.0093)  # measured: 4.3 ms beyond the seed
     assert costs.t_target(128, 64) == pytest.approx(0.0093)
     assert costs.t_target(256, 64) == pytest.approx(0.0071 + 0.0043)
+
+
+def test_a_large_batch_drafting_with_a_model_probes_less_often():
+    """A probe catches every model-drafting row's draft up, so its cost grows with the batch: past
+    probe_rows such rows the period between probes grows in proportion; prompt lookup (nothing to
+    catch up) keeps the period."""
+
+    def first_probe(rows: int) -> int:
+        costs = BatchCosts()
+        costs.off = True
+        return next(i for i in range(1, 1000) if costs.probe_turn(rows))
+
+    assert first_probe(0) == first_probe(4) == first_probe(8) == 16
+    assert first_probe(32) == 64 and first_probe(64) == 128
+
+
+def test_a_first_token_comes_from_a_speculative_step_only_where_the_drafts_catch_up_is_cheap():
+    """With the draft's catch-up timed at start-up, a row's first step drafts when taking in the
+    prompt costs at most a plain step (one 128-token prompt on the H200: ~0.4 ms of 4.5), and stays
+    plain where it does not (64 prompts: ~25 ms)."""
+    costs = BatchCosts()
+    costs.seed(_table({1: 0.0045, 64: 0.0047}, 1e-5), {(1, 1): 0.001, (64, 1): 0.0011, (0, 512): 0.0016})
+    c = SpecController(k_max=4)
+    c.accepted_w, c.rejected_w = 8.0, 2.0
+    c.seed(_table({1: 0.0045}, 1e-5), {(1, 1): 0.001})
+    alone = KRow(c, True, True, 0, 100, backlog=128)
+    assert choose_ks([alone], costs)[0] > 0
+    assert choose_ks([alone], BatchCosts()) == [0]  # nothing timed: the first token stays plain
+    many = [KRow(SpecController(k_max=4), True, True, 0, 100, backlog=128) for _ in range(64)]
+    assert choose_ks(many, costs) == [0] * 64
