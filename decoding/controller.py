@@ -286,6 +286,11 @@ class BatchCosts:
     # 12:18 UTC) the probes' catch-ups cost 8% of a 128-token run that stayed plain.
     probe_period: int = 16
     probe_rows: int = 8
+    # ... and where the start-up table prices a probe (the catch-up it runs, its wider step), it is
+    # run only if it costs at most this share of the time the rows would take to finish plainly (up
+    # to CATCH_UP_HORIZON tokens a row): in bench.probe_auto_fast at N = 64 on the H200, a probe on a
+    # new batch caught 64 prompts up for 45-72 ms of a ~1 s run, and could not have paid at 64 rows
+    probe_share: float = 0.05
     # While some k pays, one step in this many is plain: the plain cost is what speculation must beat,
     # and a batch that speculates from its first steps on would otherwise judge by one cold sample.
     # Where speculation beats plain by remeasure_margin, remeasure_slack times fewer (as
@@ -491,6 +496,9 @@ class BatchCosts:
         realised = self.realised
         discount = min(1.0, realised) if realised is not None else 1.0
         catch_up = backlog * (self.catch_up_token or 0.0) if model else 0.0
+        if probe and catch_up and left:  # a probe's cost, known: what it catches up, and its wider step
+            extra = (self.t_target(B * 3, B) or t_plain) - t_plain + 2 * t_draft
+            probe = catch_up + extra <= self.probe_share * left * t_plain / B
         best_k, best_rate, modelled = 0, B / t_plain, 0.0
         for k in range(1, k_max + 1):
             t = (self.t_target(B * (k + 1), B) or t_plain) + (k * t_draft if model else 0.0)

@@ -482,3 +482,20 @@ def test_a_first_token_comes_from_a_speculative_step_only_where_the_drafts_catch
     assert choose_ks([alone], BatchCosts()) == [0]  # nothing timed: the first token stays plain
     many = [KRow(SpecController(k_max=4), True, True, 0, 100, backlog=128) for _ in range(64)]
     assert choose_ks(many, costs) == [0] * 64
+
+
+def test_a_probe_runs_only_where_its_priced_cost_is_a_small_share_of_what_is_left():
+    """A probe from off catches every drafting row's draft up: with that priced by the start-up
+    table, a 64-row batch whose drafts have 64 prompts to take in skips its probe turn (~35 ms
+    against ~600 ms of plain decoding left), while 4 rows with short backlogs probe as before."""
+    costs = BatchCosts()
+    h200_64 = (4.46, 4.82, 6.49, 6.42, 8.70, 9.08, 11.38, 11.22, 13.97)  # ms at width 1..9 (12:37 UTC)
+    table = {(64, W): t / 1e3 for W, t in enumerate(h200_64, 1)} | _table({4: 0.0045}, 1e-5)
+    costs.seed(table, {(4, 1): 0.001, (64, 1): 0.00105, (0, 512): 0.0016})
+    costs.observe_host(64, 0.0017)
+    costs.off, costs.off_steps = True, 1000
+    many = [(0.6, True, 4)] * 64
+    assert costs.best_k(many, 0.07, probe=True, backlog=64 * 144, left=64 * 112) == 0
+    assert costs.backoff == 1  # no probe ran: the next turn may still probe
+    few = [(0.3, True, 4)] * 4
+    assert costs.best_k(few, 0.07, probe=True, backlog=4 * 16, left=4 * 112) == 2
