@@ -283,7 +283,7 @@ class BatchCosts:
     # probe catches every drafting row's draft model up on its backlog (its prompt, at the first),
     # so its cost grows with the rows, while a large batch is where speculation pays least: past
     # probe_rows such rows the period grows in proportion. At N = 64 on the H200 (bench.gpu_batch,
-    # 12:18 UTC) the probes' catch-ups cost 8% of a 128-token run that stayed plain.
+    # 12:20 UTC) the probes' catch-ups cost 8% of a 128-token run that stayed plain.
     probe_period: int = 16
     probe_rows: int = 8
     # ... and where the start-up table prices a probe (the catch-up it runs, its wider step), it is
