@@ -1,4 +1,5 @@
-"""Per-request choice of k, and the goodput check that turns speculation off when it does not pay.
+"""Per-request and per-batch choice of k, and the goodput check that turns speculation off when it
+does not pay (what steps cost is decoding/costs.py).
 
 Expected tokens per verification with per-token acceptance a and k drafts (Leviathan et al. 2023,
 eq. 1): E(k) = (1 - a^(k+1)) / (1 - a). A step costs k * t_draft + t_verify(k), so speculation
@@ -8,11 +9,10 @@ All three times are measured on this request as it runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-EMA = 0.3  # weight of the newest observation
+from decoding.costs import StepCosts, ema, fold_sample, pow2_bucket
 
 # Speculation that is off is not probed, nor switched on, for rows with fewer tokens than this left
 # to emit (their mean, in a batch): what the probe would learn could not repay its cost. A probe from
@@ -27,14 +27,6 @@ MIN_LEFT_TO_PROBE = 32
 # speculation would gain over them (BatchCosts.best_k): a request's max_tokens is an upper bound,
 # often the context's, and most answers end well before it.
 CATCH_UP_HORIZON = 256
-
-# A sample this many times the estimate counts as this many times it: one stall (a graph captured on
-# first use, a collector pause) must not outweigh the steps around it for the next dozen steps.
-OUTLIER = 2.0
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EMA) * old + EMA * min(new, OUTLIER * old)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -205,13 +197,15 @@ class SpecController:
         (``timed`` False: the step did other work too, a prompt chunk, so only acceptance counts)."""
         if k == 0:
             if timed:
-                self.t_plain = _ema(self.t_plain, t_target)
+                self.t_plain = ema(self.t_plain, t_target)
             return
         if timed:
-            self.t_draft = _ema(self.t_draft, t_draft / k)
+            self.t_draft = ema(self.t_draft, t_draft / k)
             self.spec_tokens_w = 0.9 * self.spec_tokens_w + accepted + 1
             self.spec_seconds_w = 0.9 * self.spec_seconds_w + t_draft + t_target
-            _sample(self.t_verify, k, t_target, lambda: self._t_verify(k))  # a first sample too is bounded
+            fold_sample(
+                self.t_verify, k, t_target, lambda: self._t_verify(k)
+            )  # a first sample too is bounded
         # decay old evidence so acceptance tracks the text being generated now
         self.accepted_w = 0.9 * self.accepted_w + accepted
         self.rejected_w = 0.9 * self.rejected_w + (1 if accepted < k else 0)
@@ -251,13 +245,8 @@ class Population:
         c.accepted_w, c.rejected_w = self.weight * a, self.weight * (1 - a)
 
 
-def pow2_bucket(n: int) -> int:
-    """Power-of-two bucket of a count (the cost table's key)."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclass
-class BatchCosts:
+class BatchCosts(StepCosts):
     """What a step costs a model's whole batch, measured as steps run, and the k that pays for it.
 
     Alone, a request's own SpecController decides. In a batch the rows draft in lockstep (a step runs
@@ -267,17 +256,11 @@ class BatchCosts:
     the batch is large enough to be compute-bound, so speculation that pays at B = 1 loses at B = 64
     (vLLM reports it 1.4-1.8x slower than none at high request rates). ``best_k`` chooses one k for
     the adaptive rows, the one that maximises the batch's expected tokens per second from every
-    row's acceptance estimate, the target's measured step time by rows in the step and the draft's
-    by batch size; 0 turns speculation off for the step.
+    row's acceptance estimate, the target's step time by rows in the step and the draft's by batch
+    size (``StepCosts``, which it extends: the tables it decides by); 0 turns speculation off for the
+    step.
     """
 
-    # Plain steps and verification steps are kept apart: on a GPU plain steps queue back to back and
-    # cost their device time, verification steps their wall time, so a bucket both fill (4 plain
-    # rows, 2 rows of k = 1) would swing between the two.
-    plain: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per plain step
-    plain_samples: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps observed
-    target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per verification
-    draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
     # While no k pays, the batch still drafts 2 on a probe turn (every probe_period x backoff steps),
     # so the rows' acceptance estimates and the draft's cost follow the text being generated. A
     # probe catches every drafting row's draft model up on its backlog (its prompt, at the first),
@@ -322,65 +305,6 @@ class BatchCosts:
     on_margin: float = 1.1
     off: bool = False
     off_steps: int = 0  # steps since speculation went off or was last probed
-    # The start-up cost table (``seed``): replayed graphs' device times by bucket, for shapes no step
-    # has measured yet. Without it a batch's first steps are judged by guesses (a verification as a
-    # plain step, a draft pass as its parameter share), and at N = 64 on the H200 the first guess
-    # tried k = 1, which is break-even there, and paid the draft's catch-up over every prompt for it.
-    seed_target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds
-    seed_draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per pass
-    # seconds per token of a draft's catch-up (its prompt-chunk graphs' replays; None: not timed)
-    catch_up_token: float | None = None
-    # batch bucket -> host seconds of a plain step (its launch and commit), measured where plain steps
-    # queue ahead and hide it; a speculative step waits for it (its drafts and verification are
-    # launched after the sync that reads the step before), so a seeded verification, a replay's
-    # device time, is costed with it: at N = 64 on the H200 a 128-row verification replays in 5.0
-    # ms and took 9.3 in a step
-    host: dict[int, float] = field(default_factory=dict)
-    # batch bucket -> what measured verifications took beyond their seeds: once known, a seeded
-    # verification is costed with it rather than with a plain step's host time
-    seed_gap: dict[int, float] = field(default_factory=dict)
-    # the tables seeded from, held (not their ids, which a new table could reuse): one timed again reseeds
-    seeded_from: tuple[object, object] = (None, None)
-
-    def seed(self, target: dict[tuple[int, int], float], draft: dict[tuple[int, int], float] | None) -> None:
-        """Start from the target's and the draft's step tables (``StaticModel.time_steps``: device
-        seconds by (batch bucket, width)); cheap to call every step, it reads a table once. A
-        plain step's seed counts as one sample of it (a replay's device time is what a plain step
-        queued back to back costs); a verification's and a draft pass's stand only until a step of
-        their shape is measured (a speculative step's wall time has the host's share in it, which a
-        replay does not). Buckets are powers of two, as the measured tables'; a rows bucket a
-        verification of several (batch, width) falls in takes the dearest of them."""
-        seen_target, seen_draft = self.seeded_from
-        if target is not seen_target:
-            self.seed_target = {}
-            for (B, W), t in target.items():
-                if not B or pow2_bucket(B) != B:
-                    continue  # prompt chunks; a graph bucket between powers of two (its table bucket is the next)
-                if W == 1 and B not in self.plain:
-                    self.plain[B], self.plain_samples[B] = t, 1
-                elif W > 1:
-                    r = pow2_bucket(B * W)
-                    self.seed_target[r] = max(t, self.seed_target.get(r, 0.0))
-        if draft is not None and draft is not seen_draft:
-            for (B, W), t in draft.items():
-                if W == 1 and pow2_bucket(B) == B:
-                    self.seed_draft[B] = t
-            chunks = [(W, t) for (B, W), t in draft.items() if B == 0]  # prompt chunks alone: W tokens
-            if chunks:
-                P, t = max(chunks)
-                self.catch_up_token = t / P
-            seen_draft = draft
-        self.seeded_from = (target, seen_draft)
-
-    def catch_up_cheap(self, backlog: int, batch: int) -> bool:
-        """Whether catching drafts up on ``backlog`` tokens costs at most a plain step of ``batch``
-        rows, by the start-up table (unknown: no). Then a row's first token may come from a
-        speculative step: on the H200 a 128-token prompt's catch-up is ~0.4 ms of a 4.5 ms step,
-        where a plain first step cost exact auto ~2% of a 128-token run against a fixed k."""
-        t_plain = self.t_plain(batch)
-        if self.catch_up_token is None or t_plain is None:
-            return False
-        return backlog * self.catch_up_token <= t_plain
 
     def probe_turn(self, catching_up: int = 0) -> bool:
         """True once speculation has been off for ``probe_period`` x ``backoff`` batched steps since
@@ -394,21 +318,10 @@ class BatchCosts:
         return self.off_steps >= self.probe_period * self.backoff * max(1.0, catching_up / self.probe_rows)
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
-        """One decode step of ``batch`` rows and ``rows`` target rows in all (a step that prefilled
-        too is no sample of either and is not observed)."""
+        """``StepCosts.observe``; a plain step also fades the realised discount."""
         if k == 0:
             self.realised_sums = [x * self.realised_fade for x in self.realised_sums]
-            b = pow2_bucket(batch)
-            self.plain[b] = _ema(self.plain.get(b), t_target)
-            self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
-            return
-        r = pow2_bucket(rows)
-        _sample(self.target, r, t_target, lambda: self.t_target(rows, batch))
-        if r in self.seed_target:
-            b = pow2_bucket(batch)
-            self.seed_gap[b] = _ema(self.seed_gap.get(b), max(0.0, self.target[r] - self.seed_target[r]))
-        if t_draft > 0:
-            _sample(self.draft, pow2_bucket(batch), t_draft / k, lambda: self.t_draft(batch))
+        super().observe(batch, rows, k, t_draft, t_target)
 
     def observe_goodput(
         self, batch: int, k: int, model: bool, expected: float, tokens: int, seconds: float
@@ -434,38 +347,6 @@ class BatchCosts:
         if n_got < self.realised_min:
             return None
         return (got / n_got) / (took / n_took)
-
-    def t_plain(self, batch: int) -> float | None:
-        return _lookup(self.plain, batch) or _lookup(self.target, batch)
-
-    def observe_host(self, batch: int, seconds: float) -> None:
-        """A plain step's host seconds (``host``)."""
-        b = pow2_bucket(batch)
-        self.host[b] = _ema(self.host.get(b), seconds)
-
-    def t_target(self, rows: int, batch: int | None = None) -> float | None:
-        """A verification step of ``rows`` target rows: measured, never less than a measured plain
-        step of as many rows; else interpolated between the steps of either kind measured on both
-        sides of it (a plain step of as many rows costs about what a verification does), and past
-        the largest measured, as that one (optimistic, so an unmeasured shape is tried once and then
-        known). The plain steps bound it from below: a verification of 128 rows in a batch of 64 is
-        costed between the plain step of 64 and a measured verification of 256, not as the latter
-        (which kept k = 1 from ever being tried at N = 64 on the H200). A seeded verification counts
-        what measured ones of ``batch`` rows took beyond their seeds (``seed_gap``), or before any
-        was measured the host's time of a plain step (``host``): a measured one has it in it."""
-        points = dict(self.plain)
-        host = (_lookup(self.seed_gap, batch) or _lookup(self.host, batch) or 0.0) if batch else 0.0
-        seeded = {b: t + host for b, t in self.seed_target.items()}
-        for b, t in (seeded | self.target).items():  # measured over seeded
-            points[b] = max(t, points.get(b, t))
-        return _lookup(points, rows)
-
-    def t_draft(self, batch: int) -> float | None:
-        table = self.seed_draft | self.draft if self.seed_draft else self.draft
-        if not table:
-            return None
-        b = pow2_bucket(batch)
-        return table.get(b) or table[min(table, key=lambda x: abs(x - b))]
 
     def best_k(
         self,
@@ -529,36 +410,6 @@ class BatchCosts:
         if not self.off:
             self.off, self.off_steps = True, 0
         return min(2, k_max) if probe else 0
-
-
-def _sample(table: dict[int, float], b: int, t: float, guess: Callable[[], float | None]) -> None:
-    """Fold one cost sample into ``table[b]``. A bucket's first sample counts at most ``OUTLIER``
-    times what the tables predicted for it (``guess()``, asked only then, not every step; None:
-    nothing to predict from), as later samples count at most that times the estimate: a shape's
-    first step can pay one-off costs (a kernel loaded, memory allocated: bench.probe_auto_fast at
-    N = 64 on the H200 recorded the first 256-row verification at 43.9 ms, the same shape's later
-    samples at 7-9 ms), and a first sample is the whole estimate, which a batch it turns off then
-    re-measures only at probes."""
-    if b not in table and (predicted := guess()) is not None:
-        t = min(t, OUTLIER * predicted)
-    table[b] = _ema(table.get(b), t)
-
-
-def _lookup(table: dict[int, float], n: int) -> float | None:
-    """The cost at ``n``'s bucket: measured, interpolated between measured buckets, or past the
-    largest (smallest) measured one taken as flat; None with nothing measured."""
-    if not table:
-        return None
-    b = pow2_bucket(n)
-    if b in table:
-        return table[b]
-    known = sorted(table)
-    lower = [x for x in known if x < b]
-    upper = [x for x in known if x > b]
-    if lower and upper:
-        lo, hi = lower[-1], upper[0]
-        return table[lo] + (b - lo) / (hi - lo) * (table[hi] - table[lo])
-    return table[lower[-1]] if lower else table[upper[0]]
 
 
 class KRow(NamedTuple):

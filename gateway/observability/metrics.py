@@ -23,7 +23,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from decoding.controller import pow2_bucket
+from decoding.costs import pow2_bucket
 from decoding.params import BatchStep, RequestStats, StepOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
