@@ -47,6 +47,7 @@ from decoding.drafters import DraftModelDrafter, _Drafting
 from decoding.engine import Engine, LoadedModel
 from decoding.graphs import BATCH_BUCKETS, batch_bucket
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.runner import as_ids
 from decoding.static import NO_SPLIT_K, StaticModel
 
 PROMPT, NEW = 128, 128
@@ -68,9 +69,14 @@ class ReplayDrafter(DraftModelDrafter):
         self.reference = reference  # [NEW + 16] corrupted continuation, on the device
         self.prompt_len = prompt_len
 
-    def _picked(self, state: _Drafting) -> None:  # the draft's own work is done; its token is replaced
-        i = len(state.tokens) - self.prompt_len + len(state.drafted) - 1
-        state.drafted[-1] = self.reference[i : i + 1]
+    @staticmethod
+    def picked(states: list[_Drafting], step: int, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's own work is done; its tokens are replaced by each row's reference at the place."""
+        at = [len(s.tokens) - s.drafter.prompt_len + step for s in states]  # type: ignore[attr-defined]
+        if len(states) == 1:
+            return states[0].drafter.reference[at[0] : at[0] + 1]  # type: ignore[attr-defined]
+        refs = torch.stack([s.drafter.reference for s in states])  # type: ignore[attr-defined]
+        return refs.view(-1)[as_ids([b * refs.shape[1] + i for b, i in enumerate(at)], refs.device)]
 
 
 class ReplayEngine(Engine):

@@ -47,9 +47,12 @@ class DecodeBatch:
         n_drafts = [0 if p is None else int(p.shape[0]) for p in proposals]
         if max(n_drafts, default=0) == 0:
             return cls(pend[:, None], pend.new_zeros(B, 0), n_drafts)
-        empty = pend.new_zeros(0)
-        rows = [empty if p is None else p for p in proposals]
-        drafts = pad_sequence(rows, batch_first=True, padding_value=PAD_DRAFT)  # [B, K]
+        if min(n_drafts) == max(n_drafts):  # one stack; padding copies row by row (propose_many's _lockstep)
+            drafts = torch.stack(proposals)  # type: ignore[arg-type]  # [B, K]
+        else:
+            empty = pend.new_zeros(0)
+            rows = [empty if p is None else p for p in proposals]
+            drafts = pad_sequence(rows, batch_first=True, padding_value=PAD_DRAFT)  # [B, K]
         ids = torch.cat([pend[:, None], drafts.clamp_min(0)], dim=1)  # [B, K+1]
         return cls(ids, drafts, n_drafts)
 

@@ -578,3 +578,50 @@ def test_the_engine_reports_what_speculative_steps_realised(tiny_models):
     run_batch(engine, reqs)
     got, n_got, _, _ = engine.costs["tiny-self"].realised_sums
     assert n_got > 0 and got / n_got >= 1.0
+
+
+def test_rows_drafting_one_k_greedily_propose_as_one_tensor(tiny_models, monkeypatch):
+    """Greedy rows drafting the same k propose as a batch: each pass feeds the last pass's tokens as
+    one column and the proposals are rows of one tensor, padded nowhere (a copy kernel a row on a
+    GPU), and each row proposes what it would alone; the verification batch stacks them likewise."""
+    from decoding import batch, drafters
+    from decoding.drafters import DraftModelDrafter, propose_many
+    from decoding.params import SamplingParams as SP
+
+    pool = tiny_models["tiny-draft"].runner_factory.__self__
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
+    greedy = SP(max_tokens=8, temperature=0)
+
+    def items(k):  # fresh draft runners that have seen all of each prompt but its last token
+        out = []
+        for p in prompts:
+            r = pool.draft_runner()
+            if len(p) > 1:
+                r.forward(p[:-1], logits=False)
+            out.append((DraftModelDrafter(r, torch.device("cpu")), p, k, greedy, torch.zeros(0), None))
+        return out
+
+    alone = []  # each row's greedy continuation, token by token
+    for it in items(3):
+        runner, fed, toks = it[0].runner, [it[1][-1]], []
+        for _ in range(3):
+            toks.append(int(runner.forward(fed)[-1].argmax()))
+            fed = toks[-1:]
+        alone.append(torch.tensor(toks))
+        it[0].release()
+
+    def no_padding(*a, **kw):
+        raise AssertionError("padded row by row")
+
+    monkeypatch.setattr(drafters, "pad_sequence", no_padding)
+    monkeypatch.setattr(batch, "pad_sequence", no_padding)
+    its = items(3)
+    got = propose_many(its)
+    for it in its:
+        it[0].release()
+    assert all(p is not None and p.tokens.shape == (3,) for p in got)
+    for p, a in zip(got, alone, strict=True):
+        assert p.tokens.tolist() == a.tolist()
+    b = batch.DecodeBatch.build([p[-1] for p in prompts], [p.tokens for p in got], torch.device("cpu"))
+    assert b.drafts.tolist() == [a.tolist() for a in alone]
+    assert b.ids[:, 0].tolist() == [p[-1] for p in prompts]
