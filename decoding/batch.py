@@ -165,6 +165,7 @@ class QueuedStep:
     # the prompt chunks beside it that are scored (SamplingParams.prompt_logprobs): (sequence, the
     # tokens scored, their scores); read with the step's results
     prompt_scores: list[tuple[Sequence, list[int], Scored]] = field(default_factory=list)
+    caught_up: int = 0  # tokens the rows' drafts caught up on before it (its timer's lead-in)
 
     def apply(self, rows: list[Sequence], results: list[tuple[int, list[int]]]) -> list[Applied]:
         """Each of ``rows`` (its rows still running; ``results`` theirs) takes its accepted tokens:

@@ -253,13 +253,15 @@ def _draft_pass(
 CATCH_UP_ROWS = 8
 
 
-def catch_up_many(items: list[ProposeItem]) -> None:
+def catch_up_many(items: list[ProposeItem]) -> int:
     """Draft models absorb their backlogs (a prompt, tokens from plain steps) before the rows that
-    will draft do so: in passes of up to CATCH_UP_ROWS rows and a prefill chunk of tokens."""
+    will draft do so: in passes of up to CATCH_UP_ROWS rows and a prefill chunk of tokens. Returns
+    how many tokens they took in."""
     todo = []
     for drafter, tokens, k, *_ in items:
         if isinstance(drafter, DraftModelDrafter) and k > 0 and drafter.backlog(tokens):
             todo.append((drafter.runner, tokens[drafter.runner.length : -1], drafter.device))
+    fed = sum(len(t) for _, t, _ in todo)
     while todo:
         budget = getattr(todo[0][0], "prefill_chunk", None) or sum(len(t) for _, t, _ in todo)
         batch: list[tuple[SequenceRunner, torch.Tensor]] = []
@@ -273,6 +275,7 @@ def catch_up_many(items: list[ProposeItem]) -> None:
                 rest.append((runner, toks[n:], device))
         forward_many([r for r, _ in batch], [t for _, t in batch], ["none"] * len(batch))
         todo = rest
+    return fed
 
 
 def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:

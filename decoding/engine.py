@@ -179,7 +179,7 @@ class Engine:
             for s, k, f in zip(decoding, ks, forced, strict=True)
         ]
         timer = StepTimer(device)
-        catch_up_many(items)  # a one-off cost: kept out of the step's (StepTimer.lead)
+        caught_up = catch_up_many(items)  # a one-off cost: kept out of the step's (StepTimer.lead)
         timer.begin()
         start = time.perf_counter()
         proposals = propose_many(items)
@@ -198,7 +198,9 @@ class Engine:
         # the logits [B, W, V] outlive the call only where a row reads logprobs from them (at N = 64
         # and W = 9 they are 175 MB in bf16, and the next step's are allocated before these are freed)
         kept = logits if any(s.request.params.logprobs is not None for s in decoding) else None
-        return QueuedStep(list(decoding), batch, verifying, timer, start, kept, generators, prompt_scores)
+        return QueuedStep(
+            list(decoding), batch, verifying, timer, start, kept, generators, prompt_scores, caught_up
+        )
 
     @staticmethod
     def _score_prompts(
@@ -238,6 +240,8 @@ class Engine:
             return {}
         timer = step.timer
         d_draft, d_target = timer.done()
+        if step.caught_up:
+            self.costs_of(rows[0]).observe_catch_up(step.caught_up, timer.lead_seconds())
         wall = max(end - step.start - timer.lead(), d_draft + d_target)
         W = step.batch.width
         if W == 1 and self.ahead.overlaps(rows[0]):

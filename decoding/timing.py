@@ -35,6 +35,7 @@ class StepTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.lead_in: torch.cuda.Event | None = None
+        self.lead_host = 0.0
         if self.cuda:
             self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             self.events[0].record()
@@ -50,7 +51,9 @@ class StepTimer:
             self.events[0] = torch.cuda.Event(enable_timing=True)
             self.events[0].record()
         else:
-            self.times = [time.perf_counter()]
+            now = time.perf_counter()
+            self.lead_host = now - self.times[0]
+            self.times = [now]
 
     def mark(self) -> None:
         if self.cuda:
@@ -78,3 +81,8 @@ class StepTimer:
         """Device seconds of the lead-in (``begin``) that a host clock started after it waited for;
         call after ``done``."""
         return 0.0 if self.lead_in is None else self.lead_in.elapsed_time(self.events[0]) / 1e3
+
+    def lead_seconds(self) -> float:
+        """What the lead-in took: its device seconds on CUDA (``lead``), its host seconds on a CPU,
+        which ran it before ``begin``; call after ``done``."""
+        return self.lead() if self.cuda else self.lead_host

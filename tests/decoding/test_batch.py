@@ -361,11 +361,13 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
 
 def test_a_rows_first_token_never_waits_for_its_draft(tiny_models, monkeypatch):
     """In a batch that speculates, a row joining it drafts nothing in the step that gives its first
-    token (its draft model takes in the prompt when the row first drafts), as a request alone does;
-    the rows already decoding keep drafting in that step, and every output is still its own alone."""
+    token where its draft's catch-up on the prompt is dearer than a plain step (the draft takes in
+    the prompt when the row first drafts), as a request alone does; the rows already decoding keep
+    drafting in that step, and every output is still its own alone."""
     from decoding.controller import BatchCosts
 
     monkeypatch.setattr(BatchCosts, "best_k", lambda self, rows, prior, probe, **_: 3)
+    monkeypatch.setattr(BatchCosts, "catch_up_cheap", lambda self, backlog, batch: False)
     engine = Engine(tiny_models)
     reqs = [request(tiny_models, f"{i} some prompt words", "draft", 4, adaptive=True) for i in range(2)]
     expected = {r.request_id: alone(engine, r) for r in reqs}
@@ -625,3 +627,16 @@ def test_rows_drafting_one_k_greedily_propose_as_one_tensor(tiny_models, monkeyp
     b = batch.DecodeBatch.build([p[-1] for p in prompts], [p.tokens for p in got], torch.device("cpu"))
     assert b.drafts.tolist() == [a.tolist() for a in alone]
     assert b.ids[:, 0].tolist() == [p[-1] for p in prompts]
+
+
+def test_a_drafts_catch_up_is_measured_into_the_batch_costs(tiny_models):
+    """A step whose drafts first catch up on their prompts records what that took, a token: the
+    cost model prices later catch-ups by it, not by the start-up table alone."""
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, "long prompt " * 20 + p, "draft", 3, max_tokens=6) for p in PROMPTS[:3]]
+    seq = engine.start(reqs[0])
+    costs = engine.costs_of(seq)
+    seq.release()
+    costs.catch_up_token = None
+    run_batch(engine, reqs)
+    assert costs.catch_up_token is not None and 0 < costs.catch_up_token < 1.0
