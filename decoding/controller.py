@@ -430,8 +430,9 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     it. A row drafting with a model drafts nothing in the step that gives its first token, alone or
     batched, unless the start-up table says its draft's catch-up on the prompt costs no more than a
     plain step (``BatchCosts.catch_up_cheap``): that token does not wait long for its draft to take in
-    the prompt, and the draft catches up when it first drafts. Speculation that is off stays off for
-    rows near their ends (MIN_LEFT_TO_PROBE)."""
+    the prompt, and the draft catches up when it first drafts; nor does it wait for a costlier
+    catch-up of the other rows' drafts (they decode plainly in that step). Speculation that is off
+    stays off for rows near their ends (MIN_LEFT_TO_PROBE)."""
     batched = len(rows) >= 2
     adaptive = [r.drafts and r.controller.speculate and r.controller.adaptive for r in rows]
     shared = [batched and a for a in adaptive]
@@ -441,15 +442,21 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     ):
         first = [False] * len(rows)
     sharing = [r for r, on, f in zip(rows, shared, first, strict=True) if on and not f]
+    # ... nor for the other rows' drafts: a step that gives any row its first token catches no
+    # drafts up on more than a plain step's worth (on the H200 at N = 64, the first speculative step
+    # after the batch's prompts caught 64 drafts up for ~40 ms, and the last rows' first tokens
+    # waited for it: time to first token 415 ms against plain's 352, bench.gpu_batch 14:12 UTC)
+    backlog = sum(r.backlog for r in sharing)
+    waits = backlog > 0 and any(r.emitted == 0 for r in rows) and not costs.catch_up_cheap(backlog, len(rows))
     k_shared = 0
-    if sharing:
+    if sharing and not waits:
         probe = costs.probe_turn(sum(r.model for r in sharing))
         if not costs.off or sum(r.left for r in sharing) >= MIN_LEFT_TO_PROBE * len(sharing):
             k_shared = costs.best_k(
                 [(r.controller.acceptance, r.model, r.controller.k_max) for r in sharing],
                 max(r.controller.draft_cost_prior for r in sharing),
                 probe=probe,
-                backlog=sum(r.backlog for r in sharing),
+                backlog=backlog,
                 left=sum(min(r.left, CATCH_UP_HORIZON) for r in sharing),
             )
     ks = []

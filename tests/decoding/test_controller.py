@@ -484,6 +484,29 @@ def test_a_first_token_comes_from_a_speculative_step_only_where_the_drafts_catch
     assert choose_ks(many, costs) == [0] * 64
 
 
+def test_a_first_token_does_not_wait_for_the_other_rows_costly_catch_up(monkeypatch):
+    """Rows joining a batch whose other rows' drafts have a long backlog (plain steps, a prompt): the
+    step giving the new rows their first token catches nobody up for longer than a plain step, so
+    the others decode plainly in it; with a short backlog they draft as before, and once no row is
+    at its first token the catch-up runs."""
+    costs = BatchCosts()
+    costs.seed(_table({64: 0.0047}, 1e-5), {(64, 1): 0.0011, (0, 512): 0.0016})
+
+    def rows(backlog: int, joining: int) -> list[KRow]:
+        out = []
+        for i in range(64):
+            c = SpecController(k_max=4)
+            c.accepted_w, c.rejected_w = 9.0, 1.0
+            new = i < joining
+            out.append(KRow(c, True, True, 0 if new else 10, 100, backlog=2 if new else backlog))
+        return out
+
+    monkeypatch.setattr(BatchCosts, "best_k", lambda self, r, prior, probe, **kw: 2)
+    assert choose_ks(rows(128, 2), costs)[2:] == [0] * 62  # 62 x 128 tokens: ~25 ms of catch-up
+    assert choose_ks(rows(1, 2), costs)[2:] == [2] * 62  # a short backlog
+    assert choose_ks(rows(128, 0), costs) == [2] * 64  # no first token waits: it runs
+
+
 def test_a_probe_runs_only_where_its_priced_cost_is_a_small_share_of_what_is_left():
     """A probe from off catches every drafting row's draft up: with that priced by the start-up
     table, a 64-row batch whose drafts have 64 prompts to take in skips its probe turn (~35 ms
