@@ -230,12 +230,12 @@ def _draft_pass(
         if isinstance(feed, torch.Tensor):
             ids = feed
         elif isinstance(feed[0], list):
-            host = [f + [0] * (W - len(f)) for f in feed]  # type: ignore[operator]
+            host = [f + [0] * (W - len(f)) for f in feed]
             ids = torch.tensor(host, dtype=torch.long)  # [B, W] on the host: the graph's one copy
         elif min(widths) == W:  # one stack (a kernel or two; padding copies row by row)
-            ids = torch.stack(feed)  # type: ignore[arg-type]
+            ids = torch.stack(feed)
         else:
-            ids = pad_sequence(feed, batch_first=True)  # type: ignore[arg-type]
+            ids = pad_sequence(feed, batch_first=True)
         logits = model.forward_batch([r.slot for r in runners], starts, ids)  # type: ignore[attr-defined]
         if min(widths) == W:  # one width (a step's first pass usually): a column, no index to copy
             return logits[:, W - 1]
@@ -334,7 +334,7 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
 
 def _lockstep(
     live: list[tuple[int, _Drafting]],
-    feed: list[list[int]],
+    feed: list[torch.Tensor] | list[list[int]],
     device: torch.device,
     out: list[Proposal | None],
 ) -> list[Proposal | None]:
@@ -346,7 +346,7 @@ def _lockstep(
     states = [d for _, d in live]
     picked = type(states[0].drafter).picked
     cols: list[torch.Tensor] = []
-    fed: torch.Tensor | list[list[int]] = feed
+    fed: torch.Tensor | list[torch.Tensor] | list[list[int]] = feed
     for step in range(states[0].k):
         toks = picked(states, step, _draft_pass(runners, fed, device).argmax(-1))  # [B]
         cols.append(toks)
