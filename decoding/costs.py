@@ -15,6 +15,10 @@ EMA = 0.3  # weight of the newest observation
 # first use, a collector pause) must not outweigh the steps around it for the next dozen steps.
 OUTLIER = 2.0
 
+# Tokens of recent draft catch-ups that the per-token catch-up cost averages over (StepCosts.observe_catch_up):
+# four batches of 64 128-token prompts
+CATCH_UP_WINDOW = 32768
+
 
 def ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - EMA) * old + EMA * min(new, OUTLIER * old)
@@ -43,8 +47,11 @@ class StepCosts:
     # tried k = 1, which is break-even there, and paid the draft's catch-up over every prompt for it.
     seed_target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds
     seed_draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per pass
-    # seconds per token of a draft's catch-up (its prompt-chunk graphs' replays; None: not timed)
+    # seconds per token of a draft's catch-up (None: not known), the ratio of ``catch_up_sums``:
+    # (seconds, tokens) of the start-up table's largest prompt-chunk replay and of measured catch-ups
+    # (``observe_catch_up``), summed over about the last CATCH_UP_WINDOW tokens
     catch_up_token: float | None = None
+    catch_up_sums: tuple[float, float] = (0.0, 0.0)
     # batch bucket -> host seconds of a plain step (its launch and commit), measured where plain steps
     # queue ahead and hide it; a speculative step waits for it (its drafts and verification are
     # launched after the sync that reads the step before), so a seeded verification, a replay's
@@ -81,9 +88,9 @@ class StepCosts:
                 if W == 1 and pow2_bucket(B) == B:
                     self.seed_draft[B] = t
             chunks = [(W, t) for (B, W), t in draft.items() if B == 0]  # prompt chunks alone: W tokens
-            if chunks and self.catch_up_token is None:  # measured catch-ups stand (observe_catch_up)
+            if chunks and not self.catch_up_sums[1]:  # measured catch-ups stand (observe_catch_up)
                 P, t = max(chunks)
-                self.catch_up_token = t / P
+                self.catch_up_sums, self.catch_up_token = (t, float(P)), t / P
             seen_draft = draft
         self.seeded_from = (target, seen_draft)
 
@@ -121,9 +128,18 @@ class StepCosts:
         a token from then on, folded into the seed as a sample. The seed, a 512-token chunk graph's
         replay, leaves out the passes' host work: on the H200 the catch-up of 64 prompts (~8,200
         tokens in passes of up to 8 rows and 512 tokens) took 35-42 ms of a batch's first step
-        where the seed gave 26 (bench.probe_spec_host, 2026-12-03 14:04 and 14:11 UTC)."""
-        if tokens > 0 and seconds > 0:
-            self.catch_up_token = ema(self.catch_up_token, seconds / tokens)
+        where the seed gave 26 (bench.probe_spec_host, 2026-12-03 14:04 and 14:11 UTC).
+
+        Weighted by tokens, not folded in per catch-up: a pass costs its launch and host work
+        whatever it holds, so a few tokens' catch-up (a row's plain steps) costs many times a
+        prompt's a token, and as one sample of an average it would price the next prompt's wrong."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        s, n = self.catch_up_sums
+        s, n = s + seconds, n + tokens
+        if n > CATCH_UP_WINDOW:  # older catch-ups fade in proportion
+            s, n = s * CATCH_UP_WINDOW / n, float(CATCH_UP_WINDOW)
+        self.catch_up_sums, self.catch_up_token = (s, n), s / n
 
     def observe_host(self, batch: int, seconds: float) -> None:
         """A plain step's host seconds (``host``)."""

@@ -240,8 +240,9 @@ class Engine:
             return {}
         timer = step.timer
         d_draft, d_target = timer.done()
+        costs = self.costs_of(rows[0])
         if step.caught_up:
-            self.costs_of(rows[0]).observe_catch_up(step.caught_up, timer.lead_seconds())
+            costs.observe_catch_up(step.caught_up, timer.lead_seconds())
         wall = max(end - step.start - timer.lead(), d_draft + d_target)
         W = step.batch.width
         if W == 1 and self.ahead.overlaps(rows[0]):
@@ -253,7 +254,6 @@ class Engine:
         timed = timing != "none"
         if timed:
             B = len(step.seqs)  # the rows the device ran, those that left since included
-            costs = self.costs_of(rows[0])
             if W > 1 and len(rows) == B:  # what it gave against what the model expected of it
                 expected = sum(
                     expected_tokens(s.controller.acceptance, a.drafted)

@@ -522,3 +522,19 @@ def test_a_probe_runs_only_where_its_priced_cost_is_a_small_share_of_what_is_lef
     assert costs.backoff == 1  # no probe ran: the next turn may still probe
     few = [(0.3, True, 4)] * 4
     assert costs.best_k(few, 0.07, probe=True, backlog=4 * 16, left=4 * 112) == 2
+
+
+def test_a_few_tokens_catch_up_does_not_reprice_a_prompts():
+    """Catch-ups are averaged by tokens: one of 9 tokens that cost a whole pass (~1 ms) barely moves
+    the cost a token that a 64-prompt catch-up measured, where as one sample of an average it
+    would have raised it several-fold."""
+    costs = BatchCosts()
+    costs.seed({(64, 1): 0.0047}, {(64, 1): 0.0011, (0, 512): 0.0016})
+    costs.observe_catch_up(8192, 0.037)  # 64 prompts on the H200: ~4.5 us a token
+    big = costs.catch_up_token
+    assert big is not None and 4e-6 < big < 5e-6
+    costs.observe_catch_up(9, 0.001)  # ~110 us a token
+    assert costs.catch_up_token is not None and costs.catch_up_token < 1.2 * big
+    for _ in range(20):  # a window's worth of later catch-ups at another rate takes over
+        costs.observe_catch_up(8192, 0.08)
+    assert costs.catch_up_token == pytest.approx(0.08 / 8192, rel=0.05)
