@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from decoding.costs import StepCosts, ema, fold_sample, pow2_bucket
+from decoding.costs import OUTLIER, StepCosts, ema, fold_sample, pow2_bucket
 
 # Speculation that is off is not probed, nor switched on, for rows with fewer tokens than this left
 # to emit (their mean, in a batch): what the probe would learn could not repay its cost. A probe from
@@ -303,6 +303,8 @@ class BatchCosts(StepCosts):
     # switching on for it reset the probes' backoff (in bench.sim_controller's parted drafts, a k = 1
     # step every ~16 plain ones where the backoff would have spaced the probes 32-128 apart).
     on_margin: float = 1.1
+    # target-rows buckets whose first measured step was held back as a first use (``first_use``)
+    held: set[int] = field(default_factory=set)
     off: bool = False
     off_steps: int = 0  # steps since speculation went off or was last probed
 
@@ -316,6 +318,30 @@ class BatchCosts(StepCosts):
             return False
         self.off_steps += 1
         return self.off_steps >= self.probe_period * self.backoff * max(1.0, catching_up / self.probe_rows)
+
+    def first_use(self, batch: int, k: int, model: bool, seconds: float) -> bool:
+        """Whether a speculative step of ``batch`` rows drafting up to ``k`` (``model``: with a draft
+        model) that took ``seconds`` was its verification shape's first use, to be held back as no
+        sample at all: a shape no step has measured yet, taking more than ``OUTLIER`` times what the
+        tables predict for it. In a fresh process on the H200 (bench.probe_auto_fast exact 4,
+        2026-12-03 15:39 UTC) the first speculative step of 4 rows took 53 ms against ~6 predicted
+        (kernels loaded on first use); bounded to twice the prediction it still doubled the
+        verification's cost and, in the realised-goodput sums, made speculation look 3x worse than
+        the tables, so the batch went plain for 17 steps where k = 4 gains 1.5x. Only a shape's first
+        such step is held back: if the shape costs that much, its next step says so."""
+        rows = batch * (k + 1)
+        r = pow2_bucket(rows)
+        if k == 0 or r in self.target or r in self.held:
+            return False
+        t = self.t_target(rows, batch) or self.t_plain(batch)
+        if t is None:
+            return False
+        if model:
+            t += k * (self.t_draft(batch) or 0.0)
+        if seconds <= OUTLIER * t:
+            return False
+        self.held.add(r)
+        return True
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
         """``StepCosts.observe``; a plain step also fades the realised discount."""

@@ -251,15 +251,16 @@ class Engine:
             wall = d_draft + d_target
         t_draft = wall * d_draft / (d_draft + d_target) if d_draft + d_target > 0 else 0.0
         t_target = wall - t_draft
-        timed = timing != "none"
+        B = len(step.seqs)  # the rows the device ran, those that left since included
+        model = W > 1 and any(isinstance(s.drafter, DraftModelDrafter) for s in rows)
+        # a shape's first use (kernels loaded, memory grown) is no sample of its cost (BatchCosts.first_use)
+        timed = timing != "none" and not (W > 1 and costs.first_use(B, W - 1, model, wall))
         if timed:
-            B = len(step.seqs)  # the rows the device ran, those that left since included
             if W > 1 and len(rows) == B:  # what it gave against what the model expected of it
                 expected = sum(
                     expected_tokens(s.controller.acceptance, a.drafted)
                     for s, a in zip(rows, applied, strict=True)
                 )
-                model = any(isinstance(s.drafter, DraftModelDrafter) for s in rows)
                 costs.observe_goodput(B, W - 1, model, expected, sum(a.accepted + 1 for a in applied), wall)
             costs.observe(B, B * W, W - 1, t_draft, t_target)
         self.total_steps += 1

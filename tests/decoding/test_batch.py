@@ -640,3 +640,36 @@ def test_a_drafts_catch_up_is_measured_into_the_batch_costs(tiny_models):
     costs.catch_up_token = None
     run_batch(engine, reqs)
     assert costs.catch_up_token is not None and 0 < costs.catch_up_token < 1.0
+
+
+def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
+    """A speculative step of a shape never measured that stalls (kernels loaded on first use: 53 ms
+    against ~6 predicted on the H200) is held back: neither the verification cost nor the realised
+    goodput takes it, so the batch does not go plain for it; the shape's next step measures it, and
+    the outputs are each request's alone."""
+    engine = Engine(tiny_models)
+    reqs = [request(tiny_models, p, "draft", 3, max_tokens=10) for p in PROMPTS[:3]]
+    expected = {r.request_id: alone(engine, r) for r in reqs}  # measures one row's shapes
+    seq = engine.start(reqs[0])
+    costs = engine.costs_of(seq)
+    seq.release()
+    seen: list[
+        tuple[int, bool, bool]
+    ] = []  # per 2-row speculative step: width, rows bucket known, goodput unchanged
+    commit = Engine.commit_step
+
+    def stall_first(self, step, rows, applied, end, timing="wall"):  # type: ignore[no-untyped-def]
+        two = step.batch.width > 1 and len(step.seqs) == 2
+        before = list(costs.realised_sums)
+        out = commit(self, step, rows, applied, end + (1000.0 if two and not seen else 0.0), timing)
+        if two:
+            seen.append((step.batch.width, 8 in costs.target, costs.realised_sums == before))
+        return out
+
+    monkeypatch.setattr(Engine, "commit_step", stall_first)
+    assert 8 not in costs.target and not costs.held
+    assert run_batch(engine, reqs[1:]) == {r.request_id: expected[r.request_id] for r in reqs[1:]}
+    assert len(seen) >= 2 and seen[0][0] == 4  # k = 3: 8 target rows
+    assert seen[0][1:] == (False, True)  # the stalled step: no cost sample, no goodput sample
+    assert seen[1][1] and not seen[1][2] and costs.target[8] < 1.0  # the next one is the sample
+    assert costs.held == {8}

@@ -538,3 +538,20 @@ def test_a_few_tokens_catch_up_does_not_reprice_a_prompts():
     for _ in range(20):  # a window's worth of later catch-ups at another rate takes over
         costs.observe_catch_up(8192, 0.08)
     assert costs.catch_up_token == pytest.approx(0.08 / 8192, rel=0.05)
+
+
+def test_only_a_shapes_first_step_far_over_its_prediction_is_held_back():
+    """``first_use``: a speculative step of a shape not yet measured that takes more than OUTLIER
+    times the tables' prediction (verification, plus the draft passes where a model drafts) is held
+    back once; within the bound, of a measured shape, or a second time, it is a sample."""
+    costs = BatchCosts()
+    costs.seed(_table({4: 0.005}, 0.0), {(4, 1): 0.001})
+    predicted = 0.005 + 3 * 0.001
+    assert not costs.first_use(4, 3, True, 1.9 * predicted) and not costs.held
+    assert costs.first_use(4, 3, False, 1.9 * predicted)  # no draft passes: over twice the 5 ms
+    assert costs.held == {16}
+    assert not costs.first_use(4, 3, False, 1.9 * predicted)  # a second time: a sample
+    costs.observe(4, 8, 1, 0.001, 0.006)
+    assert not costs.first_use(4, 1, True, 1.0)  # measured already
+    assert not costs.first_use(4, 0, False, 1.0)  # a plain step
+    assert costs.held == {16}
