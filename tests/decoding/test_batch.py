@@ -653,9 +653,8 @@ def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
     seq = engine.start(reqs[0])
     costs = engine.costs_of(seq)
     seq.release()
-    seen: list[
-        tuple[int, bool, bool]
-    ] = []  # per 2-row speculative step: width, rows bucket known, goodput unchanged
+    # per 2-row speculative step: its width, its rows bucket measured, the goodput sums unchanged
+    seen: list[tuple[int, bool, bool]] = []
     commit = Engine.commit_step
 
     def stall_first(self, step, rows, applied, end, timing="wall"):  # type: ignore[no-untyped-def]
