@@ -303,8 +303,8 @@ class BatchCosts(StepCosts):
     # switching on for it reset the probes' backoff (in bench.sim_controller's parted drafts, a k = 1
     # step every ~16 plain ones where the backoff would have spaced the probes 32-128 apart).
     on_margin: float = 1.1
-    # target-rows buckets whose first measured step was held back as a first use (``first_use``)
-    held: set[int] = field(default_factory=set)
+    # (batch, target rows) buckets whose first measured step was held back as a first use (``first_use``)
+    held: set[tuple[int, int]] = field(default_factory=set)
     off: bool = False
     off_steps: int = 0  # steps since speculation went off or was last probed
 
@@ -330,8 +330,8 @@ class BatchCosts(StepCosts):
         the tables, so the batch went plain for 17 steps where k = 4 gains 1.5x. Only a shape's first
         such step is held back: if the shape costs that much, its next step says so."""
         rows = batch * (k + 1)
-        r = pow2_bucket(rows)
-        if k == 0 or r in self.target or r in self.held:
+        key = (pow2_bucket(batch), pow2_bucket(rows))
+        if k == 0 or key in self.target or key in self.held:
             return False
         t = self.t_target(rows, batch) or self.t_plain(batch)
         if t is None:
@@ -340,7 +340,7 @@ class BatchCosts(StepCosts):
             t += k * (self.t_draft(batch) or 0.0)
         if seconds <= OUTLIER * t:
             return False
-        self.held.add(r)
+        self.held.add(key)
         return True
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+K = TypeVar("K")
 
 EMA = 0.3  # weight of the newest observation
 
@@ -31,7 +34,7 @@ def pow2_bucket(n: int) -> int:
 
 @dataclass
 class StepCosts:
-    """A model's step costs by bucket: plain steps by batch, verifications by target rows, draft
+    """A model's step costs by bucket: plain steps by batch, verifications by batch and target rows, draft
     passes by batch, measured as steps run; the start-up table stands for shapes not yet measured."""
 
     # Plain steps and verification steps are kept apart: on a GPU plain steps queue back to back and
@@ -39,7 +42,13 @@ class StepCosts:
     # rows, 2 rows of k = 1) would swing between the two.
     plain: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per plain step
     plain_samples: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps observed
-    target: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per verification
+    # (batch bucket, rows bucket) -> seconds per verification. By batch as well as rows: the host's
+    # work in a step is per row, so 128 target rows cost more at 64 rows of k = 1 than at 32 of k = 3.
+    # Keyed by rows alone, bench.gpu_batch's N = 64 judged k = 1 by the 128-row steps N = 32 had
+    # measured, switched speculation on and paid the drafts' catch-up over 64 prompts for it (fast
+    # auto 0.95x plain on the H200, 2026-12-03 15:51 UTC); a k = 1 step at 64 rows took 7.9 ms
+    # (bench.probe_spec_host), where those tables gave ~6.
+    target: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
     # The start-up cost table (``seed``): replayed graphs' device times by bucket, for shapes no step
     # has measured yet. Without it a batch's first steps are judged by guesses (a verification as a
@@ -112,16 +121,25 @@ class StepCosts:
             self.plain[b] = ema(self.plain.get(b), t_target)
             self.plain_samples[b] = self.plain_samples.get(b, 0) + 1
             return
-        r = pow2_bucket(rows)
-        fold_sample(self.target, r, t_target, lambda: self.t_target(rows, batch))
+        r, b = pow2_bucket(rows), pow2_bucket(batch)
+        fold_sample(self.target, (b, r), t_target, lambda: self.t_target(rows, batch))
         if r in self.seed_target:
-            b = pow2_bucket(batch)
-            self.seed_gap[b] = ema(self.seed_gap.get(b), max(0.0, self.target[r] - self.seed_target[r]))
+            self.seed_gap[b] = ema(self.seed_gap.get(b), max(0.0, self.target[b, r] - self.seed_target[r]))
         if t_draft > 0:
             fold_sample(self.draft, pow2_bucket(batch), t_draft / k, lambda: self.t_draft(batch))
 
     def t_plain(self, batch: int) -> float | None:
-        return lookup(self.plain, batch) or lookup(self.target, batch)
+        return lookup(self.plain, batch) or lookup(self.measured(), batch)
+
+    def measured(self, batch: int | None = None) -> dict[int, float]:
+        """Measured verifications by rows bucket: of ``batch``'s bucket, or (None) of any batch, the
+        dearest where several measured one rows bucket."""
+        b = None if batch is None else pow2_bucket(batch)
+        out: dict[int, float] = {}
+        for (bb, r), t in self.target.items():
+            if b is None or bb == b:
+                out[r] = max(t, out.get(r, t))
+        return out
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """Drafts caught up on ``tokens`` tokens in ``seconds`` before a step (its lead-in): the cost
@@ -147,21 +165,31 @@ class StepCosts:
         self.host[b] = ema(self.host.get(b), seconds)
 
     def t_target(self, rows: int, batch: int | None = None) -> float | None:
-        """A verification step of ``rows`` target rows: measured, never less than a measured plain
+        """A verification step of ``rows`` target rows: measured (in a batch of ``batch``'s bucket;
+        None: any), never less than a measured plain
         step of as many rows; else interpolated between the steps of either kind measured on both
         sides of it (a plain step of as many rows costs about what a verification does), and past
         the largest measured, as that one (optimistic, so an unmeasured shape is tried once and then
         known). The plain steps bound it from below: a verification of 128 rows in a batch of 64 is
         costed between the plain step of 64 and a measured verification of 256, not as the latter
         (which kept k = 1 from ever being tried at N = 64 on the H200). A seeded verification counts
-        what measured ones of ``batch`` rows took beyond their seeds (``seed_gap``), or before any
-        was measured the host's time of a plain step (``host``): a measured one has it in it."""
+        what measured ones of ``batch``'s bucket took beyond their seeds (``seed_gap``), or before any
+        was measured the host's time of its plain steps (``host``): a measured one has it in it.
+        Only then another bucket's: the host's work grows with the rows (at N = 64 on the H200 a
+        plain step's was 2.4 ms, at 32 1.1), so 32 rows' gap stood for 64 too cheaply."""
         points = dict(self.plain)
-        host = (lookup(self.seed_gap, batch) or lookup(self.host, batch) or 0.0) if batch else 0.0
+        host = self.host_share(batch) if batch else 0.0
         seeded = {b: t + host for b, t in self.seed_target.items()}
-        for b, t in (seeded | self.target).items():  # measured over seeded
+        for b, t in (seeded | self.measured(batch)).items():  # measured over seeded
             points[b] = max(t, points.get(b, t))
         return lookup(points, rows)
+
+    def host_share(self, batch: int) -> float:
+        """What a seeded verification of ``batch`` rows takes beyond its replay (``t_target``): this
+        bucket's measured gap, else its plain steps' host time, else another bucket's."""
+        b = pow2_bucket(batch)
+        own = self.seed_gap.get(b) or self.host.get(b)
+        return own or lookup(self.seed_gap, batch) or lookup(self.host, batch) or 0.0
 
     def t_draft(self, batch: int) -> float | None:
         table = self.seed_draft | self.draft if self.seed_draft else self.draft
@@ -171,7 +199,7 @@ class StepCosts:
         return table.get(b) or table[min(table, key=lambda x: abs(x - b))]
 
 
-def fold_sample(table: dict[int, float], b: int, t: float, guess: Callable[[], float | None]) -> None:
+def fold_sample(table: dict[K, float], b: K, t: float, guess: Callable[[], float | None]) -> None:
     """Fold one cost sample into ``table[b]``. A bucket's first sample counts at most ``OUTLIER``
     times what the tables predicted for it (``guess()``, asked only then, not every step; None:
     nothing to predict from), as later samples count at most that times the estimate: a shape's

@@ -662,13 +662,13 @@ def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
         before = list(costs.realised_sums)
         out = commit(self, step, rows, applied, end + (1000.0 if two and not seen else 0.0), timing)
         if two:
-            seen.append((step.batch.width, 8 in costs.target, costs.realised_sums == before))
+            seen.append((step.batch.width, (2, 8) in costs.target, costs.realised_sums == before))
         return out
 
     monkeypatch.setattr(Engine, "commit_step", stall_first)
-    assert 8 not in costs.target and not costs.held
+    assert (2, 8) not in costs.target and not costs.held
     assert run_batch(engine, reqs[1:]) == {r.request_id: expected[r.request_id] for r in reqs[1:]}
     assert len(seen) >= 2 and seen[0][0] == 4  # k = 3: 8 target rows
     assert seen[0][1:] == (False, True)  # the stalled step: no cost sample, no goodput sample
-    assert seen[1][1] and not seen[1][2] and costs.target[8] < 1.0  # the next one is the sample
-    assert costs.held == {8}
+    assert seen[1][1] and not seen[1][2] and costs.target[2, 8] < 1.0  # the next one is the sample
+    assert costs.held == {(2, 8)}

@@ -549,9 +549,33 @@ def test_only_a_shapes_first_step_far_over_its_prediction_is_held_back():
     predicted = 0.005 + 3 * 0.001
     assert not costs.first_use(4, 3, True, 1.9 * predicted) and not costs.held
     assert costs.first_use(4, 3, False, 1.9 * predicted)  # no draft passes: over twice the 5 ms
-    assert costs.held == {16}
+    assert costs.held == {(4, 16)}
     assert not costs.first_use(4, 3, False, 1.9 * predicted)  # a second time: a sample
     costs.observe(4, 8, 1, 0.001, 0.006)
     assert not costs.first_use(4, 1, True, 1.0)  # measured already
     assert not costs.first_use(4, 0, False, 1.0)  # a plain step
-    assert costs.held == {16}
+    assert costs.held == {(4, 16)}
+
+
+def test_a_verification_measured_in_a_smaller_batch_does_not_price_a_larger_ones():
+    """bench.gpu_batch on the H200: N = 32 measured 128-row verifications (k = 3) at ~6 ms; at N = 64
+    the same 128 rows (k = 1) cost more, the host's per-row work doubled (a plain step's host time
+    1.1 -> 2.4 ms), and judged by N = 32's steps k = 1 looked 1.2x plain, so the batch switched on and
+    paid the drafts' catch-up over 64 prompts (fast auto 0.95x). A batch's verification is priced
+    by its own bucket's measurements: seed plus its own host time, where k = 1 does not pay."""
+    costs = BatchCosts()
+    costs.seed(
+        {(32, 1): 0.0045, (32, 4): 0.0050, (64, 1): 0.0047, (64, 2): 0.00485},
+        {(32, 1): 0.0010, (64, 1): 0.00107},
+    )
+    for _ in range(4):
+        costs.observe(32, 128, 3, 3 * 0.0010, 0.0060)
+        costs.observe(64, 64, 0, 0.0, 0.0047)
+    costs.observe_host(32, 0.0011)
+    costs.observe_host(64, 0.0024)
+    assert costs.t_target(128, 32) == pytest.approx(0.006)
+    assert costs.t_target(128, 64) == pytest.approx(0.0050 + 0.0024)  # the seed and 64 rows' host time
+    assert costs.best_k([(0.8, True, 1)] * 64, 0.07, probe=False) == 0  # k = 1 at 64 rows
+    assert costs.best_k([(0.8, True, 3)] * 32, 0.07, probe=False) == 3  # where it was measured to pay
+    costs.observe(64, 128, 1, 0.00107, 0.0058)  # once 64 rows measure their own, those stand
+    assert costs.t_target(128, 64) == pytest.approx(0.0058)
