@@ -51,15 +51,6 @@ def chunk_rows(long: list[Row], n: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.long).to(device, non_blocking=True)
 
 
-def plain_beside_chunks(graphed: bool, exact: bool) -> bool:
-    """Whether decode rows beside prompt chunks should be one token wide: graphs are keyed by
-    (batch, width, chunk tokens), so verification widths beside every chunk size are shapes
-    captured on first use, mid-stream (100-140 ms each for the 7B-shaped target on the H200,
-    bench.probe_auto_fast), for one step's gain. Exact mode runs every row at one width, so its
-    shapes do not multiply; without graphs nothing is captured."""
-    return graphed and not exact
-
-
 class GraphSet:
     """One StaticModel's CUDA graphs by step shape, and which one serves a step: ``replay`` and
     ``run`` return None where none does (graphs off, or prompt chunks a graph cannot hold), and the
@@ -162,9 +153,10 @@ class GraphSet:
     def capture_serving(self, rows: int) -> int:
         """Capture every graph a server's steps of up to ``rows`` rows use, ahead of its requests
         (on first use each is a stall mid-stream: 100-140 ms for the 7B-shaped target on the H200):
-        one-token rows beside prompt chunks of every bucket (fast mode decodes such rows plainly;
-        exact mode's one width stands for every width), then every verification width alone, in
-        each batch bucket up to ``rows``. Returns how many were captured."""
+        one-token rows beside prompt chunks of every bucket (such rows decode plainly,
+        Engine._plain_beside_prompts; exact mode's one width stands for every width), then every
+        verification width alone, in each batch bucket up to ``rows``. Returns how many were
+        captured."""
         before = len(self.captured)
         buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(rows))
         self.capture(range(1, 2), buckets, chunk_tokens=(CHUNK_BUCKETS[-1],))

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from decoding import invariant, kernels
-from decoding.graphs import GraphSet, batch_bucket, chunk_rows, plain_beside_chunks
+from decoding.graphs import GraphSet, batch_bucket, chunk_rows
 from decoding.layers import (
     TORCH_OPS,
     Dims,
@@ -427,10 +427,6 @@ class StaticModel(PooledSlots):
             }
         self.step_costs = table
         return table
-
-    def plain_beside_chunks(self, exact: bool) -> bool:
-        """``decoding.graphs.plain_beside_chunks`` for this model (the engine asks it)."""
-        return plain_beside_chunks(self.graphs_enabled, exact)
 
 
 def _want(logits: torch.Tensor, want: str) -> torch.Tensor | None:

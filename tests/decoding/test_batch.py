@@ -458,27 +458,37 @@ def test_batch_costs_remeasure_less_often_where_speculation_clearly_pays():
     assert plain_steps(clear, 128) == 1
 
 
-def test_rows_beside_prompt_chunks_decode_plainly_only_where_graphs_would_multiply():
-    """A graphed, non-exact runner decodes plainly in a step that takes prompt chunks (verification
-    widths beside chunk sizes would be graphs captured mid-stream); exact mode, graphless runners and
-    steps without chunks speculate as chosen."""
-    from types import SimpleNamespace
+def test_rows_beside_prompt_chunks_decode_plainly(tiny_models, monkeypatch):
+    """A step that takes a prompt chunk gives its decoding rows one token each, on every device (the
+    prompt's row would wait for their drafts and the drafts' catch-up); they draft again once the
+    prompt is in, and every output is its own alone."""
+    engine = Engine(tiny_models)
+    reqs = [
+        request(tiny_models, "a prompt of some words", "draft", 3, max_tokens=20),
+        request(tiny_models, "a much longer prompt " * 12, "draft", 3, max_tokens=6),
+    ]
+    expected = {r.request_id: alone(engine, r) for r in reqs}
+    had_chunks: list[bool] = []
+    drafted: list[int] = []
+    chunks_of, launch = Engine._prefill_chunks, Engine.launch_step
 
-    def seq(graphs: bool, exact: bool):  # type: ignore[no-untyped-def]
-        model = SimpleNamespace(graphs_enabled=graphs)
-        model.plain_beside_chunks = lambda exact: StaticModel.plain_beside_chunks(model, exact)  # type: ignore[arg-type]
-        return SimpleNamespace(runner=SimpleNamespace(batch_model=model, exact=exact))
+    def spy_chunks(prefilling, budget):  # type: ignore[no-untyped-def]
+        out = chunks_of(prefilling, budget)
+        had_chunks.append(any(n for _, n in out))
+        return out
 
-    rule = Engine._plain_beside_prompts
-    prompt = [(seq(True, False), 32)]
-    assert rule([seq(True, False)], prompt)
-    assert not rule([seq(True, True)], prompt)  # exact: one width, shapes do not multiply
-    assert not rule([seq(False, False)], prompt)  # no graphs to capture (the CPU)
-    assert not rule([seq(True, False)], [])  # no prompt chunk in the step
-    assert not rule([seq(True, False)], [(seq(True, False), 0)])  # a prefilling row over budget
-    assert not rule([], prompt)
-    other = SimpleNamespace(runner=SimpleNamespace(batch_model=SimpleNamespace(), exact=False))
-    assert not rule([other], prompt)  # a model without graph shapes (llama.cpp)
+    def spy_launch(self, device, decoding, ks, chunks, plain=False, undoable=False):  # type: ignore[no-untyped-def]
+        step = launch(self, device, decoding, ks, chunks, plain, undoable)
+        drafted.append(max(step.batch.n_drafts, default=0))
+        return step
+
+    monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
+    monkeypatch.setattr(Engine, "launch_step", spy_launch)
+    assert run_batch(engine, reqs, join_at=[0, 4], budget=8) == expected
+    assert len(had_chunks) == len(drafted)
+    beside = [d for c, d in zip(had_chunks, drafted, strict=True) if c]
+    assert len(beside) >= 4 and not any(beside)  # the long prompt's chunks: plain beside them
+    assert any(d for c, d in zip(had_chunks, drafted, strict=True) if not c)  # drafting before and after
 
 
 def test_a_new_request_starts_from_the_acceptance_of_the_ones_before(tiny_models):
