@@ -225,6 +225,29 @@ def test_fast_mode_rows_beside_prompt_chunks_decode_plainly(gpu_models):
     assert not [key for key in keys if key[1] > 1 and key[4]], sorted(keys)
 
 
+def test_fast_mode_seeded_rows_with_a_fixed_k_sample_the_same_alone_and_batched(gpu_models):
+    """Rows that sample with a fixed k keep it beside prompt chunks (Engine._keeps_k): their draws
+    follow their k, so a seeded request joined by others mid-stream samples as it does alone."""
+    from tests.decoding.test_batch import run_batch
+
+    target = StaticModel(gpu_models["tiny"].model, 512, slots=8, graphs=True)
+    draft = StaticModel(gpu_models["tiny-draft"].model, 512, slots=8, graphs=True)
+    engine = _pair(target, draft)
+    reqs = [
+        GenerationRequest(
+            f"s{i}",
+            "t",
+            list(range(30 + i, 70 + 9 * i)),
+            SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True),
+            SpecParams(SpecMode.DRAFT, max_k=3, adaptive=False),
+        )
+        for i in range(5)
+    ]
+    expected = {r.request_id: engine.generate(r)[0] for r in reqs}
+    assert run_batch(engine, reqs, join_at=[0, 2, 3, 5, 8], budget=16) == expected
+    assert [key for key in target.graphs if key[1] > 1 and key[4]], "no row drafted beside a chunk"
+
+
 def _invariant_model(max_len: int, slots: int, compile_step: bool) -> StaticModel:
     """A bf16 model in batch-invariant exact mode, under graphs."""
     return StaticModel(
