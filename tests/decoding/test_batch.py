@@ -330,6 +330,20 @@ def test_batch_costs_keep_plain_steps_apart_from_verification_and_stalls():
     assert costs.best_k([(0.02, True, 8)] * 4, 0.1, probe=False) == 0
 
 
+def spy_prefill_chunks(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
+    """Engine._prefill_chunks spied on: per step, whether it took any prompt chunk."""
+    had_chunks: list[bool] = []
+    chunks_of = Engine._prefill_chunks
+
+    def spy(prefilling, budget):  # type: ignore[no-untyped-def]
+        out = chunks_of(prefilling, budget)
+        had_chunks.append(any(n for _, n in out))
+        return out
+
+    monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy))
+    return had_chunks
+
+
 def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
     """A request joining a decoding batch prefills in the same step as the others decode: that step's
     time is not what a decode step costs, so neither the batch's costs nor a row's controller take
@@ -338,20 +352,14 @@ def test_steps_that_prefill_are_no_cost_samples(tiny_models, monkeypatch):
     reqs = [request(tiny_models, f"{i} a prompt of some words", "draft", 3, max_tokens=12) for i in range(3)]
     expected = {r.request_id: alone(engine, r) for r in reqs}
     join_at = [0, 3, 6]
-    had_chunks: list[bool] = []
     timings: list[str] = []
-    chunks_of, commit = Engine._prefill_chunks, Engine.commit_step
-
-    def spy_chunks(prefilling, budget):  # type: ignore[no-untyped-def]
-        out = chunks_of(prefilling, budget)
-        had_chunks.append(any(n for _, n in out))
-        return out
+    commit = Engine.commit_step
 
     def spy_commit(self, step, rows, applied, end, timing="wall"):  # type: ignore[no-untyped-def]
         timings.append(timing)
         return commit(self, step, rows, applied, end, timing)
 
-    monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
+    had_chunks = spy_prefill_chunks(monkeypatch)
     monkeypatch.setattr(Engine, "commit_step", spy_commit)
     assert run_batch(engine, reqs, join_at, budget=4) == expected
     assert len(had_chunks) == len(timings) and any(had_chunks) and not all(had_chunks)
@@ -468,21 +476,15 @@ def test_rows_beside_prompt_chunks_decode_plainly(tiny_models, monkeypatch):
         request(tiny_models, "a much longer prompt " * 12, "draft", 3, max_tokens=6),
     ]
     expected = {r.request_id: alone(engine, r) for r in reqs}
-    had_chunks: list[bool] = []
     drafted: list[int] = []
-    chunks_of, launch = Engine._prefill_chunks, Engine.launch_step
-
-    def spy_chunks(prefilling, budget):  # type: ignore[no-untyped-def]
-        out = chunks_of(prefilling, budget)
-        had_chunks.append(any(n for _, n in out))
-        return out
+    launch = Engine.launch_step
 
     def spy_launch(self, device, decoding, ks, chunks, plain=False, undoable=False):  # type: ignore[no-untyped-def]
         step = launch(self, device, decoding, ks, chunks, plain, undoable)
         drafted.append(max(step.batch.n_drafts, default=0))
         return step
 
-    monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy_chunks))
+    had_chunks = spy_prefill_chunks(monkeypatch)
     monkeypatch.setattr(Engine, "launch_step", spy_launch)
     assert run_batch(engine, reqs, join_at=[0, 4], budget=8) == expected
     assert len(had_chunks) == len(drafted)

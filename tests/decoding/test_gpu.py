@@ -3,6 +3,8 @@ speculation over graphs stays lossless. Skipped where there is no CUDA device.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -198,25 +200,32 @@ def test_batched_graphs_give_each_request_its_output_alone(gpu_models, mode, k):
     assert run_batch(engine, reqs, join_at=[0, 0, 1, 2, 2, 5, 9, 9], budget=16) == expected
 
 
+def _fast_pair_requests(gpu_models, params: SamplingParams, n: int):  # type: ignore[no-untyped-def]
+    """A fast-mode target and draft under graphs, their engine, and ``n`` requests of growing prompts
+    drafting a fixed k = 3 with ``params`` (a seed: 100 + i where ``params`` has one)."""
+    target = StaticModel(gpu_models["tiny"].model, 512, slots=8, graphs=True)
+    draft = StaticModel(gpu_models["tiny-draft"].model, 512, slots=8, graphs=True)
+    reqs = [
+        GenerationRequest(
+            f"p{i}",
+            "t",
+            list(range(30 + i, 70 + 9 * i)),
+            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i),
+            SpecParams(SpecMode.DRAFT, max_k=3, adaptive=False),
+        )
+        for i in range(n)
+    ]
+    return target, _pair(target, draft), reqs
+
+
 def test_fast_mode_rows_beside_prompt_chunks_decode_plainly(gpu_models):
     """Fast mode under graphs: a step that takes prompt chunks decodes its other rows plainly, so no
     graph of a verification width beside chunks is captured mid-stream (Engine._plain_beside_prompts);
     speculation resumes once the prompts are in, and outputs equal each request's alone."""
     from tests.decoding.test_batch import run_batch
 
-    target = StaticModel(gpu_models["tiny"].model, 512, slots=8, graphs=True)
-    draft = StaticModel(gpu_models["tiny-draft"].model, 512, slots=8, graphs=True)
-    engine = _pair(target, draft)
-    reqs = [
-        GenerationRequest(
-            f"p{i}",
-            "t",
-            list(range(30 + i, 70 + 9 * i)),
-            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-            SpecParams(SpecMode.DRAFT, max_k=3, adaptive=False),
-        )
-        for i in range(6)
-    ]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    target, engine, reqs = _fast_pair_requests(gpu_models, params, 6)
     expected = {r.request_id: engine.generate(r)[0] for r in reqs}
     assert run_batch(engine, reqs, join_at=[0, 2, 3, 5, 8, 9], budget=16) == expected
     keys = set(target.graphs)  # (batch, width, attended length, slot, chunk tokens)
@@ -230,19 +239,8 @@ def test_fast_mode_seeded_rows_with_a_fixed_k_sample_the_same_alone_and_batched(
     follow their k, so a seeded request joined by others mid-stream samples as it does alone."""
     from tests.decoding.test_batch import run_batch
 
-    target = StaticModel(gpu_models["tiny"].model, 512, slots=8, graphs=True)
-    draft = StaticModel(gpu_models["tiny-draft"].model, 512, slots=8, graphs=True)
-    engine = _pair(target, draft)
-    reqs = [
-        GenerationRequest(
-            f"s{i}",
-            "t",
-            list(range(30 + i, 70 + 9 * i)),
-            SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True),
-            SpecParams(SpecMode.DRAFT, max_k=3, adaptive=False),
-        )
-        for i in range(5)
-    ]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=100, ignore_eos=True)
+    target, engine, reqs = _fast_pair_requests(gpu_models, params, 5)
     expected = {r.request_id: engine.generate(r)[0] for r in reqs}
     assert run_batch(engine, reqs, join_at=[0, 2, 3, 5, 8], budget=16) == expected
     assert [key for key in target.graphs if key[1] > 1 and key[4]], "no row drafted beside a chunk"
