@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from decoding.costs import OUTLIER, StepCosts, ema, fold_sample, pow2_bucket
+from decoding.costs import OUTLIER, StepCosts, ema, fold_sample, lookup, pow2_bucket
 
 # Speculation that is off is not probed, nor switched on, for rows with fewer tokens than this left
 # to emit (their mean, in a batch): what the probe would learn could not repay its cost. A probe from
@@ -400,16 +400,28 @@ class BatchCosts(StepCosts):
         t_draft = self.t_draft(B)
         if t_draft is None:
             t_draft = draft_cost_prior * t_plain
+        verify = self.verifications(B)  # t_target's table for this batch, looked up at each width
         realised = self.realised
         discount = min(1.0, realised) if realised is not None else 1.0
         catch_up = backlog * (self.catch_up_token or 0.0) if model else 0.0
         if probe and catch_up and left:  # a probe's cost, known: what it catches up, and its wider step
-            extra = (self.t_target(B * 3, B) or t_plain) - t_plain + 2 * t_draft
+            extra = (lookup(verify, B * 3) or t_plain) - t_plain + 2 * t_draft
             probe = catch_up + extra <= self.probe_share * left * t_plain / B
         best_k, best_rate, modelled = 0, B / t_plain, 0.0
+        # the rows' expected tokens at each k, summed as k grows (expected_tokens(a, k) is
+        # 1 + a + ... + a^k): one product a row per k, not a power (~0.2 ms a step at 64 rows)
+        accs = [min(a, 1.0) for a, _, _ in rows]
+        caps = [cap for _, _, cap in rows]
+        least = min(caps)
+        powers, tokens = [1.0] * B, float(B)
         for k in range(1, k_max + 1):
-            t = (self.t_target(B * (k + 1), B) or t_plain) + (k * t_draft if model else 0.0)
-            rate = sum(expected_tokens(a, min(k, cap)) for a, _, cap in rows) / t
+            powers = [p * a for p, a in zip(powers, accs, strict=True)]
+            if k <= least:
+                tokens += sum(powers)
+            else:
+                tokens += sum(p for p, cap in zip(powers, caps, strict=True) if cap >= k)
+            t = (lookup(verify, B * (k + 1)) or t_plain) + (k * t_draft if model else 0.0)
+            rate = tokens / t
             if catch_up and left:  # left tokens at this rate, and the catch-up before them
                 rate = left / (left / rate + catch_up)
             if rate * discount > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted rows

@@ -177,12 +177,17 @@ class StepCosts:
         was measured the host's time of its plain steps (``host``): a measured one has it in it.
         Only then another bucket's: the host's work grows with the rows (at N = 64 on the H200 a
         plain step's was 2.4 ms, at 32 1.1), so 32 rows' gap stood for 64 too cheaply."""
+        return lookup(self.verifications(batch), rows)
+
+    def verifications(self, batch: int | None = None) -> dict[int, float]:
+        """``t_target``'s table for ``batch``: seconds by target-rows bucket, to look up (``lookup``)
+        several widths in, as ``best_k`` does every step, built once."""
         points = dict(self.plain)
         host = self.host_share(batch) if batch else 0.0
         seeded = {b: t + host for b, t in self.seed_target.items()}
         for b, t in (seeded | self.measured(batch)).items():  # measured over seeded
             points[b] = max(t, points.get(b, t))
-        return lookup(points, rows)
+        return points
 
     def host_share(self, batch: int) -> float:
         """What a seeded verification of ``batch`` rows takes beyond its replay (``t_target``): this

@@ -579,3 +579,26 @@ def test_a_verification_measured_in_a_smaller_batch_does_not_price_a_larger_ones
     assert costs.best_k([(0.8, True, 3)] * 32, 0.07, probe=False) == 3  # where it was measured to pay
     costs.observe(64, 128, 1, 0.00107, 0.0058)  # once 64 rows measure their own, those stand
     assert costs.t_target(128, 64) == pytest.approx(0.0058)
+
+
+def test_best_k_sums_every_rows_expected_tokens_up_to_its_own_cap():
+    """best_k's running sum of the rows' expected tokens matches expected_tokens(a, min(k, cap)) row by
+    row, rows of different acceptance and caps (one at 1.0) included."""
+    costs = BatchCosts()
+    costs.seed(_table({4: 0.005, 8: 0.0052}, 2e-5), {(4, 1): 0.0004, (8, 1): 0.0005})
+    rng = random.Random(0)
+    for _ in range(50):
+        B = rng.choice([4, 8])
+        rows = [(rng.choice([0.2, 0.5, 0.8, 0.95, 1.0]), True, rng.randint(1, 8)) for _ in range(B)]
+        t_plain, t_draft = costs.t_plain(B), costs.t_draft(B)
+        assert t_plain is not None and t_draft is not None
+        rates = {0: B / t_plain}
+        for k in range(1, max(c for _, _, c in rows) + 1):
+            tokens = sum(expected_tokens(a, min(k, c)) for a, _, c in rows)
+            rates[k] = tokens / ((costs.t_target(B * (k + 1), B) or t_plain) + k * t_draft)
+        best = 0
+        for k in sorted(rates):
+            if rates[k] > rates[best] * 1.0001:
+                best = k
+        costs.off = False  # no hysteresis from the case before
+        assert costs.best_k(rows, 0.07, probe=False) == best
