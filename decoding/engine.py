@@ -120,7 +120,9 @@ class Engine:
         plain = self._plain_beside_prompts(decoding, chunks)
         ks = self.ahead.planned_ks(decoding, plain)
         if plain and any(keep := [self._keeps_k(s) for s in decoding]):
-            ks = [k if kept else 0 for k, kept in zip(self.ks_for(decoding), keep, strict=True)]
+            # their own controllers' k (a fixed k is no batch choice: the others' controllers are not asked)
+            kept = iter(self.ks_for([s for s, k in zip(decoding, keep, strict=True) if k]))
+            ks = [next(kept) if k else 0 for k in keep]
         t0 = time.perf_counter()
         step = self.launch_step(seqs[0].target.device, decoding, ks, chunks, plain)
         whole = len(decoding) == len(seqs) and not joining  # no prompt in this step or the next
