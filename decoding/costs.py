@@ -43,11 +43,10 @@ class StepCosts:
     plain: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per plain step
     plain_samples: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps observed
     # (batch bucket, rows bucket) -> seconds per verification. By batch as well as rows: the host's
-    # work in a step is per row, so 128 target rows cost more at 64 rows of k = 1 than at 32 of k = 3.
-    # Keyed by rows alone, bench.gpu_batch's N = 64 judged k = 1 by the 128-row steps N = 32 had
-    # measured, switched speculation on and paid the drafts' catch-up over 64 prompts for it (fast
-    # auto 0.95x plain on the H200, 2026-12-03 15:51 UTC); a k = 1 step at 64 rows took 7.9 ms
-    # (bench.probe_spec_host), where those tables gave ~6.
+    # work in a step is per row, so 128 target rows cost more at 64 rows of k = 1 than at 32 of k = 3
+    # (a plain step's host time on the H200: 2.4 ms at 64 rows, 1.1 at 32). Keyed by rows alone,
+    # bench.gpu_batch priced N = 64's verifications by the steps N = 32 had measured: fast auto ran
+    # 0.95x plain there (2026-12-03 15:51 UTC), and 1.06x keyed per batch (16:41 UTC).
     target: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)  # batch bucket -> seconds per draft pass
     # The start-up cost table (``seed``): replayed graphs' device times by bucket, for shapes no step
@@ -166,9 +165,9 @@ class StepCosts:
 
     def t_target(self, rows: int, batch: int | None = None) -> float | None:
         """A verification step of ``rows`` target rows: measured (in a batch of ``batch``'s bucket;
-        None: any), never less than a measured plain
-        step of as many rows; else interpolated between the steps of either kind measured on both
-        sides of it (a plain step of as many rows costs about what a verification does), and past
+        None: any), never less than a measured plain step of as many rows; else interpolated
+        between the steps of either kind measured on both sides of it (a plain step of as many rows
+        costs about what a verification does), and past
         the largest measured, as that one (optimistic, so an unmeasured shape is tried once and then
         known). The plain steps bound it from below: a verification of 128 rows in a batch of 64 is
         costed between the plain step of 64 and a measured verification of 256, not as the latter
