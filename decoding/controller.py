@@ -329,19 +329,23 @@ class BatchCosts(StepCosts):
         verification's cost and, in the realised-goodput sums, made speculation look 3x worse than
         the tables, so the batch went plain for 17 steps where k = 4 gains 1.5x. Only a shape's first
         such step is held back: if the shape costs that much, its next step says so."""
-        rows = batch * (k + 1)
-        key = (pow2_bucket(batch), pow2_bucket(rows))
+        key = (pow2_bucket(batch), pow2_bucket(batch * (k + 1)))
         if k == 0 or key in self.target or key in self.held:
             return False
-        t = self.t_target(rows, batch) or self.t_plain(batch)
-        if t is None:
-            return False
-        if model:
-            t += k * (self.t_draft(batch) or 0.0)
-        if seconds <= OUTLIER * t:
+        t = self.predicted(batch, k, model)
+        if t is None or seconds <= OUTLIER * t:
             return False
         self.held.add(key)
         return True
+
+    def predicted(self, batch: int, k: int, model: bool) -> float | None:
+        """What the tables give a speculative step of ``batch`` rows drafting up to ``k``: its
+        verification (or, with none known, a plain step), plus ``k`` draft passes where ``model``
+        drafts (None: nothing measured or seeded)."""
+        t = self.t_target(batch * (k + 1), batch) or self.t_plain(batch)
+        if t is not None and model:
+            t += k * (self.t_draft(batch) or 0.0)
+        return t
 
     def observe(self, batch: int, rows: int, k: int, t_draft: float, t_target: float) -> None:
         """``StepCosts.observe``; a plain step also fades the realised discount."""
@@ -355,11 +359,9 @@ class BatchCosts(StepCosts):
         """A speculative step of ``batch`` rows drafting up to ``k``: ``tokens`` emitted in ``seconds``,
         against ``expected`` tokens (the rows' acceptance estimates before it) in the time the tables
         give it. Call before the step's own ``observe``."""
-        t = self.t_target(batch * (k + 1), batch) or self.t_plain(batch)
+        t = self.predicted(batch, k, model)
         if t is None or k == 0 or expected <= 0 or seconds <= 0:
             return
-        if model:
-            t += k * (self.t_draft(batch) or 0.0)
         d = self.realised_decay
         self.realised_sums = [
             d * x + y
