@@ -24,7 +24,7 @@ import torch
 from bench.gpu import DRAFT, TARGET, build
 from bench.gpu_batch import EXACT_LEN, MAX_LEN, NEW, PROMPT, corrupt, replay_engine, run_requests
 from decoding.async_engine import AsyncEngine
-from decoding.controller import BatchCosts
+from decoding.batch_controller import BatchCosts
 from decoding.engine import Engine
 from decoding.graphs import BATCH_BUCKETS, batch_bucket
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams

@@ -1,5 +1,5 @@
 """The speculation controller in a batch, against a cost model instead of a GPU: the engine's own
-choice of k (``Engine.ks_for``, ``controller.choose_ks``: per-request SpecControllers alone, the
+choice of k (``Engine.ks_for``, ``batch_controller.choose_ks``: per-request SpecControllers alone, the
 batch's BatchCosts from two rows) driven with step times from a table of measured graph replays, as
 the engine would measure them.
 
@@ -26,7 +26,8 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from decoding.controller import BatchCosts, SpecController, expected_tokens
+from decoding.batch_controller import BatchCosts
+from decoding.controller import SpecController, expected_tokens
 from decoding.drafters import DraftModelDrafter
 from decoding.engine import Engine
 from decoding.params import RequestStats, SamplingParams

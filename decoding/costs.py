@@ -1,7 +1,7 @@
 """What a model's steps cost, by shape: measured as steps run (``StepCosts.observe``) and, where CUDA
 graphs are captured, seeded from the start-up table of their replays (``StepCosts.seed``,
 ``StaticModel.time_steps``), with the host's share of a step that a replay misses. Which k pays over
-these costs is decoding/controller.py's.
+these costs is decoding/batch_controller.py's (a request alone: decoding/controller.py's).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from torch.nn.utils.rnn import pad_sequence
 from decoding import admission
 from decoding.ahead import Ahead
 from decoding.batch import Applied, DecodeBatch, QueuedStep, Verifying
-from decoding.controller import BatchCosts, KRow, Population, choose_ks, expected_tokens
+from decoding.batch_controller import BatchCosts, KRow, choose_ks
+from decoding.controller import Population, expected_tokens
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
@@ -366,7 +367,7 @@ class Engine:
 
     def ks_for(self, decoding: list[Sequence], pending: int = 0) -> list[int]:
         """Each row's k for the next step (``pending``: tokens of steps not yet read back), by
-        ``controller.choose_ks``."""
+        ``batch_controller.choose_ks``."""
         if not decoding:
             return []
         rows = [

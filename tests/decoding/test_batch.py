@@ -287,7 +287,7 @@ def test_duplicate_request_ids_do_not_collide(tiny_models):
 
 
 def test_batch_costs_choose_no_speculation_where_the_batch_is_compute_bound():
-    from decoding.controller import BatchCosts
+    from decoding.batch_controller import BatchCosts
 
     costs = BatchCosts()
     # memory-bound up to 16 rows, then each row costs as much as the whole step did
@@ -302,7 +302,7 @@ def test_batch_costs_choose_no_speculation_where_the_batch_is_compute_bound():
 
 
 def test_batch_costs_weigh_every_rows_acceptance():
-    from decoding.controller import BatchCosts
+    from decoding.batch_controller import BatchCosts
 
     costs = BatchCosts()
     for rows in (4, 8, 16, 32):
@@ -317,7 +317,7 @@ def test_batch_costs_keep_plain_steps_apart_from_verification_and_stalls():
     """A stalled verification step of 2 rows at k = 1 (4 target rows, as a plain step of 4 has) and
     one stalled plain step leave the plain cost where the plain steps put it, near enough that
     drafts nobody keeps are not drafted."""
-    from decoding.controller import BatchCosts
+    from decoding.batch_controller import BatchCosts
 
     costs = BatchCosts()
     for _ in range(4):
@@ -372,7 +372,7 @@ def test_a_rows_first_token_never_waits_for_its_draft(tiny_models, monkeypatch):
     token where its draft's catch-up on the prompt is dearer than a plain step (the draft takes in
     the prompt when the row first drafts), as a request alone does; the rows already decoding keep
     drafting in that step, and every output is still its own alone."""
-    from decoding.controller import BatchCosts
+    from decoding.batch_controller import BatchCosts
 
     monkeypatch.setattr(BatchCosts, "best_k", lambda self, rows, prior, probe, **_: 3)
     monkeypatch.setattr(BatchCosts, "catch_up_cheap", lambda self, backlog, batch: False)
@@ -431,7 +431,7 @@ def test_draft_catch_up_runs_in_chunk_graph_sized_passes(tiny_models, monkeypatc
 def test_batch_costs_remeasure_the_plain_step_while_speculating():
     """A batch that speculates from its first steps on still runs a plain step now and then, so the
     cost speculation must beat is measured again, not judged by one early (cold) sample."""
-    from decoding.controller import BatchCosts
+    from decoding.batch_controller import BatchCosts
 
     costs = BatchCosts()
     costs.observe(4, 4, 0, 0.0, 0.05)  # a cold first plain step: 5x its real cost
@@ -449,7 +449,7 @@ def test_batch_costs_remeasure_less_often_where_speculation_clearly_pays():
     """With the plain cost sampled twice and speculation far ahead (a = 0.8, verification about a
     plain step), a plain re-measurement costs a step's gain and could not change the choice: one in
     remeasure_every x remeasure_slack steps, not one in remeasure_every."""
-    from decoding.controller import BatchCosts
+    from decoding.batch_controller import BatchCosts
 
     def plain_steps(costs: BatchCosts, n: int) -> int:
         ks = [costs.best_k([(0.8, True, 4)] * 4, 0.1, probe=costs.probe_turn()) for _ in range(n)]
@@ -515,7 +515,7 @@ def test_a_new_request_starts_from_the_acceptance_of_the_ones_before(tiny_models
 def _four_row_tables():
     """BatchCosts that measured 4 rows: plain 5 ms, k = 1 in 7 ms (a 1.5 ms draft pass and 5.5 ms of
     verification), k = 3 in 10 ms."""
-    from decoding.controller import BatchCosts
+    from decoding.batch_controller import BatchCosts
 
     costs = BatchCosts()
     for _ in range(3):

@@ -6,15 +6,8 @@ import random
 
 import pytest
 
-from decoding.controller import (
-    MIN_LEFT_TO_PROBE,
-    BatchCosts,
-    KRow,
-    Population,
-    SpecController,
-    choose_ks,
-    expected_tokens,
-)
+from decoding.batch_controller import BatchCosts, KRow, choose_ks
+from decoding.controller import MIN_LEFT_TO_PROBE, Population, SpecController, expected_tokens
 
 
 def drive(c: SpecController, steps: int, accept_all: bool, t_draft: float, t_target: float) -> list[int]:
