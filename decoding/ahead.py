@@ -9,7 +9,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from decoding.batch import DecodeBatch, QueuedStep, Verifying
+from decoding.drafters import DraftModelDrafter, FirstDrafts, draft_first
 from decoding.runner import as_ids
 from decoding.timing import StepTimer
 
@@ -95,7 +98,44 @@ class Ahead:
         self.queued[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
         timer.stop()
 
-    def speculate(self, rows: list[Sequence], read_at: float) -> None:
+    def first_drafts(
+        self, rows: list[Sequence], batch: DecodeBatch, verifying: Verifying
+    ) -> FirstDrafts | None:
+        """The next step's first draft pass, queued behind this speculative step's verification and
+        ahead of its read-back (``decoding.drafters.FirstDrafts``), where steps are queued ahead and
+        every row drafted greedily with a draft model, unshaped, and verified on the device at once:
+        each row is fed its last kept token (the pending one or d_n) and the bonus token at the
+        places n puts them. The device drafts it while the host reads this step back, applies it and
+        launches the next (``speculate``), where it would otherwise wait: ~1 ms a step at N = 4 on the
+        H200, a tenth of a k = 4 step (bench.probe_spec_host). Used only by the step ``speculate``
+        launches right after this one is applied; a row that ends, or a next step that is plain,
+        leaves it unread (what it wrote lies past the caches' lengths)."""
+        outcome = verifying.outcome()
+        if not rows or batch.width == 1 or outcome is None or not self.overlaps(rows[0]):
+            return None
+        # the rows that drafted this step (a row at its last token drafts none; it ends here)
+        drafting = [b for b, k in enumerate(batch.n_drafts) if k]
+        drafters = [rows[b].drafter for b in drafting]
+        if not drafters or not all(
+            isinstance(d, DraftModelDrafter)
+            and d.min_confidence == 0
+            and d.shape is None
+            and d.runner.length >= len(rows[b].tokens)  # it drafted this step from the pending token on
+            for b, d in zip(drafting, drafters, strict=True)
+        ):
+            return None
+        n, argmax, ids = outcome[0], outcome[1], batch.ids  # [B], [B, W], [B, W]
+        if len(drafting) < len(rows):
+            idx = as_ids(drafting, n.device)
+            n, argmax, ids = n[idx], argmax[idx], ids[idx]
+        at = n[:, None]
+        fed = torch.cat([ids.gather(1, at), argmax.gather(1, at)], dim=1)  # [B', 2]
+        pending = [len(rows[b].tokens) - 1 for b in drafting]  # where each row's step began
+        starts = as_ids(pending, n.device) + n  # [B']
+        last = max(p + batch.n_drafts[b] for p, b in zip(pending, drafting, strict=True))
+        return draft_first(drafters, fed, starts, last)  # type: ignore[arg-type]
+
+    def speculate(self, rows: list[Sequence], read_at: float, after: QueuedStep | None = None) -> None:
         """Queue the next step of ``rows`` (a committed step's, with no prompt waiting) now, rather
         than at the next call, where nothing is queued yet: a step whose input the host had to
         read first (speculative, or a row with a grammar, penalties or logprobs). Its proposals,
@@ -104,11 +144,15 @@ class Ahead:
         committed by now. Undone where not taken (QueuedStep.undo). Its cost is counted from
         ``read_at``, when the step before was read back: the device waits from then until this
         one's first kernel, through the commit before it and its own launch (~1.5 ms at N = 16 on
-        the H200, which the controller otherwise missed: k = 1 steps costed at 6.5 ms took 7.9)."""
+        the H200, which the controller otherwise missed: k = 1 steps costed at 6.5 ms took 7.9).
+        ``after``: the step just applied, whose ``first_drafts`` it may use."""
         live = [s for s in rows if s.finished is None]
         if not live or not self.overlaps(live[0]) or live[0].target.name in self.queued:
             return
-        step = self.engine.launch_step(live[0].target.device, live, self.planned_ks(live), [], undoable=True)
+        first = after.first if after is not None else None
+        step = self.engine.launch_step(
+            live[0].target.device, live, self.planned_ks(live), [], undoable=True, first=first
+        )
         step.start = read_at
         self.queued[live[0].target.name] = step
 
@@ -140,7 +184,7 @@ class Ahead:
         by_row = dict(zip((id(s) for s in step.seqs), results, strict=True))
         applied = step.apply(kept, [by_row[id(s)] for s in kept])
         if whole:
-            self.speculate(kept, read_at)
+            self.speculate(kept, read_at, step)
         outs = self.engine.commit_step(step, kept, applied, read_at)
         if chained:  # a plain step's host work, which a speculative step's wall time would show
             self.engine.costs_of(kept[0]).observe_host(

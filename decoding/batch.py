@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from decoding.drafters import Proposal
+from decoding.drafters import FirstDrafts, Proposal
 from decoding.params import FinishReason, TokenLogprob
 from decoding.runner import as_ids
 from decoding.sampling import Scored, apply_penalties, logprobs_of, probs_from_logits
@@ -131,6 +131,15 @@ class Verifying:
             out.append((n, flat[at : at + self.n_drafts[b] + 1]))
         return out
 
+    def outcome(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where every row was verified at once (greedy, no penalties or grammar): the accepted
+        counts n [B] and the target's argmax [B, W] on the device, the bonus token of row b at
+        column n[b]; else None."""
+        B = len(self.n_drafts)
+        if len(self.plain) != B or not B:
+            return None
+        return self.flat[:B], self.flat[B:].view(B, -1)
+
     def chosen(self) -> torch.Tensor:
         """[B] each row's first candidate, on the device: the token a plain step emits."""
         return self.flat[as_ids(self.offsets, self.flat.device)]
@@ -166,6 +175,7 @@ class QueuedStep:
     # tokens scored, their scores); read with the step's results
     prompt_scores: list[tuple[Sequence, list[int], Scored]] = field(default_factory=list)
     caught_up: int = 0  # tokens the rows' drafts caught up on before it (its timer's lead-in)
+    first: FirstDrafts | None = None  # the next step's first draft pass, queued behind it
 
     def apply(self, rows: list[Sequence], results: list[tuple[int, list[int]]]) -> list[Applied]:
         """Each of ``rows`` (its rows still running; ``results`` theirs) takes its accepted tokens:

@@ -278,10 +278,75 @@ def catch_up_many(items: list[ProposeItem]) -> int:
     return fed
 
 
-def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
+@dataclass
+class FirstDrafts:
+    """A step's first draft pass, queued behind the verification of the step before it and ahead of
+    that step's read-back (``draft_first``), so the device drafts while the host reads, commits and
+    plans. Each row was fed [its last kept token, the bonus token] at the places the device's accepted
+    counts gave them; ``take`` hands the pass's tokens to the rows' proposals once the host has read
+    that step and cut the drafts' caches back to it."""
+
+    rows: dict[int, int]  # id(drafter) -> its row in the pass
+    tokens: torch.Tensor  # [B] each row's argmax, the first drafted token of its next proposal
+    began: torch.cuda.Event | None = None  # the pass's device time, counted with the next step's drafts
+    ended: torch.cuda.Event | None = None
+    taken: bool = False
+
+    def take(self, live: list[_Drafting]) -> torch.Tensor | None:
+        """``live``'s first drafted tokens [len(live)], their draft caches moved on past the two
+        tokens the pass fed them; None (and nothing moved) unless every row was in the pass and its
+        cache ends where the pass began: one token short of the sequence (a rejection) or two (all
+        accepted, d_k never fed)."""
+        at = [self.rows.get(id(d.drafter)) for d in live]
+        if (
+            self.taken
+            or None in at
+            or any(not 1 <= len(d.tokens) - d.drafter.runner.length <= 2 for d in live)
+        ):
+            return None
+        for d in live:
+            d.drafter.runner.advance(len(d.tokens) - d.drafter.runner.length)  # type: ignore[attr-defined]
+        self.taken = True
+        if at == list(range(len(self.rows))):
+            return self.tokens
+        return self.tokens[as_ids([b for b in at if b is not None], self.tokens.device)]
+
+
+def draft_first(
+    drafters: list[DraftModelDrafter],
+    fed: torch.Tensor,  # [B, 2] each row's last kept token and bonus token, on the device
+    starts: torch.Tensor,  # [B] the cache position of each row's first fed token, on the device
+    last_start: int,  # a bound on the largest start, from the host
+) -> FirstDrafts | None:
+    """The next step's first draft pass over ``drafters``' rows, queued now (``FirstDrafts``); None
+    where their runners do not share a model that places rows from the device."""
+    runners = [d.runner for d in drafters]
+    model = getattr(runners[0], "batch_model", None)
+    if (
+        not getattr(model, "device_starts", False)
+        or any(getattr(r, "batch_model", None) is not model or getattr(r, "exact", False) for r in runners)
+        or last_start + fed.shape[1] > model.cache_len  # type: ignore[union-attr]  # a row at its context's end
+    ):
+        return None
+    cuda = fed.device.type == "cuda"
+    began, ended = (
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+    )
+    if began is not None:
+        began.record()
+    slots = [r.slot for r in runners]  # type: ignore[attr-defined]
+    logits = model.forward_batch(slots, starts, fed, last_start=last_start)  # type: ignore[union-attr]
+    tokens = logits[:, -1].argmax(-1)  # [B]
+    if ended is not None:
+        ended.record()
+    return FirstDrafts({id(d): b for b, d in enumerate(drafters)}, tokens, began, ended)
+
+
+def propose_many(items: list[ProposeItem], first: FirstDrafts | None = None) -> list[Proposal | None]:
     """Every row's proposal for one step: draft models draft in lockstep, one batched forward pass
     per drafted position over the rows still drafting (a row leaves at its k or its confidence
-    stop); prompt lookup proposes per row. None where a row drafts nothing (no drafter, k = 0)."""
+    stop); prompt lookup proposes per row. None where a row drafts nothing (no drafter, k = 0).
+    ``first``: the first pass, queued already (greedy rows only: its tokens are argmaxes)."""
     out: list[Proposal | None] = [None] * len(items)
     live: list[tuple[int, _Drafting]] = []
     for i, (drafter, tokens, k, params, counts, generator) in enumerate(items):
@@ -307,14 +372,19 @@ def propose_many(items: list[ProposeItem]) -> list[Proposal | None]:
         and d.drafter.shape is None
         for _, d in live
     )
+    pre = first.take([d for _, d in live]) if first is not None and plain else None  # [B]
     if plain and len({d.k for _, d in live}) == 1 and len({type(d.drafter) for _, d in live}) == 1:
-        return _lockstep(live, feed, device, out)
+        return _lockstep(live, feed, device, out, pre)
     step = 0
     while live:
-        rows = _draft_pass([d.drafter.runner for _, d in live], feed, device)  # [B, V]
+        toks: torch.Tensor | None
+        if pre is not None and step == 0:
+            rows, toks = pre[:, None], pre  # the pass ran ahead; rows are never read when plain
+        else:
+            rows = _draft_pass([d.drafter.runner for _, d in live], feed, device)  # [B, V]
+            toks = rows.argmax(-1) if plain else None  # [B]
         still: list[tuple[int, _Drafting]] = []
         nxt: list[torch.Tensor] = []
-        toks = rows.argmax(-1) if plain else None  # [B]
         for b, (i, d) in enumerate(live):
             last = step == d.k - 1
             if toks is not None:
@@ -337,18 +407,21 @@ def _lockstep(
     feed: list[torch.Tensor] | list[list[int]],
     device: torch.device,
     out: list[Proposal | None],
+    first: torch.Tensor | None = None,
 ) -> list[Proposal | None]:
     """``propose_many`` where every row drafts greedily, unshaped, the same k: each pass feeds the
     last one's argmax column [B, 1] as it is, and the proposals are the rows of one [B, k] tensor.
     Row by row, a pass's feed and the proposals cost a copy kernel a row each: at N = 64 on the H200,
-    a k = 1 step took 10.6 ms against its graphs' 5.9 (bench.probe_spec_host, 2026-12-03 13:56 UTC)."""
+    a k = 1 step took 10.6 ms against its graphs' 5.9 (bench.probe_spec_host, 2026-12-03 13:56 UTC).
+    ``first``: the first pass's tokens [B], run ahead (``FirstDrafts``)."""
     runners = [d.drafter.runner for _, d in live]
     states = [d for _, d in live]
     picked = type(states[0].drafter).picked
     cols: list[torch.Tensor] = []
     fed: torch.Tensor | list[torch.Tensor] | list[list[int]] = feed
     for step in range(states[0].k):
-        toks = picked(states, step, _draft_pass(runners, fed, device).argmax(-1))  # [B]
+        chose = first if step == 0 and first is not None else _draft_pass(runners, fed, device).argmax(-1)
+        toks = picked(states, step, chose)  # [B]
         cols.append(toks)
         fed = toks[:, None]
     drafts = torch.stack(cols, dim=1)  # [B, k]

@@ -23,6 +23,7 @@ from decoding.controller import Population, expected_tokens
 from decoding.drafters import (
     Drafter,
     DraftModelDrafter,
+    FirstDrafts,
     ProposeItem,
     catch_up_many,
     propose_many,
@@ -135,7 +136,7 @@ class Engine:
         timing: Timing = "none" if any(n for _, n in chunks) else "wall"
         applied = step.apply(decoding, results)
         if whole:
-            self.ahead.speculate(decoding, read_at)
+            self.ahead.speculate(decoding, read_at, step)
         outs = self.commit_step(step, decoding, applied, read_at, timing)
         for s, targets, scored in step.prompt_scores:  # read back with the step's results
             assert s.prompt_logprobs is not None
@@ -162,11 +163,14 @@ class Engine:
         chunks: list[tuple[Sequence, int]],
         plain: bool = False,
         undoable: bool = False,
+        first: FirstDrafts | None = None,
     ) -> QueuedStep:
         """A step's front half, all queued on the device: each decoding row's proposal (up to its k,
         grammar-forced tokens free unless ``plain`` and its k is 0), the target's pass with ``chunks`` beside them,
         and verification. ``undoable``: the sampled rows' generator states are kept, for a step
-        launched ahead that is not taken."""
+        launched ahead that is not taken. ``first``: the proposals' first draft pass, queued behind
+        the step before, which the host has read and applied (``Ahead.first_drafts``); behind this
+        one's verification the next step's is queued where it may be used."""
         generators = {
             id(s): s.generator.get_state() for s in decoding if undoable and not s.request.params.greedy
         }
@@ -190,7 +194,9 @@ class Engine:
         caught_up = catch_up_many(items)  # a one-off cost: kept out of the step's (StepTimer.lead)
         timer.begin()
         start = time.perf_counter()
-        proposals = propose_many(items)
+        proposals = propose_many(items, first)
+        if first is not None and first.taken:
+            timer.ahead(first.began, first.ended)
         proposals = [
             s.shaping.cut(f, p, device) if s.shaping is not None else p
             for s, f, p in zip(decoding, forced, proposals, strict=True)
@@ -206,9 +212,12 @@ class Engine:
         # the logits [B, W, V] outlive the call only where a row reads logprobs from them (at N = 64
         # and W = 9 they are 175 MB in bf16, and the next step's are allocated before these are freed)
         kept = logits if any(s.request.params.logprobs is not None for s in decoding) else None
-        return QueuedStep(
+        step = QueuedStep(
             list(decoding), batch, verifying, timer, start, kept, generators, prompt_scores, caught_up
         )
+        if not chunks:
+            step.first = self.ahead.first_drafts(decoding, batch, verifying)
+        return step
 
     @staticmethod
     def _score_prompts(

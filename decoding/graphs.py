@@ -100,7 +100,7 @@ class GraphSet:
         return None
 
     def run(
-        self, shape: StepShape, slots: list[int], starts: list[int], ids: torch.Tensor
+        self, shape: StepShape, slots: list[int], starts: list[int] | torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor | None:
         """``forward_batch``'s step as a graph: ids [B, W] -> logits [B, W, V], a view of the
         graph's buffer; None where graphs are off."""
@@ -242,12 +242,21 @@ class _Graph:
             self.step.slots.copy_(slots)
         self.step.slot_of[: B * W].copy_(slots[:, None].expand(B, W).reshape(-1))
 
-    def _set_rows(self, starts: list[int], slots: list[int], ids: torch.Tensor) -> None:
-        """The short rows' starts, slots and ``ids`` [n, W] (host or device); padding rows start at 0
-        in the scratch slot. A row shorter than W keeps stale ids after its tokens: they write past
-        its length, which nothing reads, and no other row's result depends on them."""
+    def _set_rows(self, starts: list[int] | torch.Tensor, slots: list[int], ids: torch.Tensor) -> None:
+        """The short rows' starts (host, or device [n]), slots and ``ids`` [n, W] (host or device);
+        padding rows start at 0 in the scratch slot. A row shorter than W keeps stale ids after its
+        tokens: they write past its length, which nothing reads, and no other row's result depends on
+        them."""
         B, W, n = self.B, self.W, len(starts)
         pad = B - n
+        if isinstance(starts, torch.Tensor):  # the device's: copies on the device, the slots from the host
+            self.rows[: 2 * B].copy_(
+                torch.tensor([0] * B + [*slots, *([self.m.scratch] * pad)], dtype=torch.long),
+                non_blocking=True,
+            )
+            self.rows[:n].copy_(starts)
+            self.rows[2 * B :].view(B, W)[:n, : ids.shape[1]].copy_(ids)
+            return
         host = torch.tensor([*starts, *([0] * pad), *slots, *([self.m.scratch] * pad)], dtype=torch.long)
         if ids.device.type == "cpu" and ids.shape[1] == W:  # one copy for all of it
             self.rows.copy_(torch.cat([host, ids.reshape(-1), host.new_zeros(pad * W)]), non_blocking=True)
@@ -276,7 +285,7 @@ class _Graph:
             step.slots.fill_(s)
         return step
 
-    def run(self, slots: list[int], starts: list[int], ids: torch.Tensor) -> torch.Tensor:
+    def run(self, slots: list[int], starts: list[int] | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, W] (host or device), B <= the graph's batch -> logits [B, W, V], a view of the
         graph's buffer."""
         B = ids.shape[0]

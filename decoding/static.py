@@ -91,6 +91,8 @@ class StaticModel(PooledSlots):
     """One model's weights, a KV pool of ``slots`` sequences (plus a scratch slot that padding rows
     write to), RoPE tables, and the forward pass over several sequences at once."""
 
+    device_starts = True  # forward_batch places rows from a device tensor of starts too
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -314,18 +316,28 @@ class StaticModel(PooledSlots):
 
     @torch.inference_mode()
     def forward_batch(
-        self, slots: list[int], starts: list[int], ids: torch.Tensor, exact: bool = False
+        self,
+        slots: list[int],
+        starts: list[int] | torch.Tensor,
+        ids: torch.Tensor,
+        exact: bool = False,
+        last_start: int | None = None,
     ) -> torch.Tensor:
         """The decode-only step: ``ids`` [B, W] (on the device, or the host: a graph takes them in
         one copy with the rows' places) at cache positions ``starts[b] + j`` of ``slots[b]`` -> logits
-        [B, W, V], valid until this model's next forward pass (the graph's buffer)."""
+        [B, W, V], valid until this model's next forward pass (the graph's buffer). ``starts`` may
+        be a device tensor [B] (a pass queued before the host knows where its rows stand, as
+        ``decoding.drafters.draft_first``'s), with ``last_start`` a bound on the largest."""
         B, T = ids.shape
-        shape = self.step_shape(B, T, max(starts), exact)
+        top = max(starts) if last_start is None else last_start
+        shape = self.step_shape(B, T, int(top), exact)
         W = shape.width
         if W > T:  # exact: every row at the one width
             ids = F.pad(ids, (0, W - T))
-        assert max(starts) + W <= self.cache_len, "a step past the end of the static cache"
+        assert top + W <= self.cache_len, "a step past the end of the static cache"
         if self.step_override is not None or self.max_graph_tokens < W:
+            if isinstance(starts, torch.Tensor):  # a host read: these paths place rows on the host
+                starts = starts.tolist()
             ids = ids.to(self.device, non_blocking=True)
             rows = [Row(s, ids[b, :T], st) for b, (s, st) in enumerate(zip(slots, starts, strict=True))]
             return torch.stack([t for t in self.forward_rows(rows, exact) if t is not None])
@@ -333,7 +345,11 @@ class StaticModel(PooledSlots):
         if logits is not None:
             return logits[:, :T]
         slot_t = torch.tensor(slots).to(self.device, non_blocking=True)  # [B]
-        start_t = torch.tensor(starts).to(self.device, non_blocking=True)  # [B]
+        start_t = (
+            starts
+            if isinstance(starts, torch.Tensor)
+            else torch.tensor(starts).to(self.device, non_blocking=True)
+        )
         step = StepRows(
             ids=ids.to(self.device, non_blocking=True).reshape(-1),
             pos=(start_t[:, None] + self.positions[None, :W]).view(-1),

@@ -36,6 +36,7 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self.lead_in: torch.cuda.Event | None = None
         self.lead_host = 0.0
+        self.drafted_ahead: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)
         if self.cuda:
             self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             self.events[0].record()
@@ -55,6 +56,11 @@ class StepTimer:
             self.lead_host = now - self.times[0]
             self.times = [now]
 
+    def ahead(self, began: torch.cuda.Event | None, ended: torch.cuda.Event | None) -> None:
+        """A draft pass of this step that ran before it began (``decoding.drafters.FirstDrafts``),
+        counted with its drafts."""
+        self.drafted_ahead = (began, ended)
+
     def mark(self) -> None:
         if self.cuda:
             self.events[1].record()
@@ -73,7 +79,9 @@ class StepTimer:
         if self.cuda:
             self.events[2].synchronize()  # already complete: the step's read-back waited for it
             e = self.events
-            return e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
+            began, ended = self.drafted_ahead
+            ahead = began.elapsed_time(ended) / 1e3 if began is not None and ended is not None else 0.0
+            return e[0].elapsed_time(e[1]) / 1e3 + ahead, e[1].elapsed_time(e[2]) / 1e3
         t = self.times
         return t[1] - t[0], t[2] - t[1]
 

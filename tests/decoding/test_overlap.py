@@ -13,9 +13,16 @@ import pytest
 
 from decoding.ahead import Ahead
 from decoding.async_engine import AsyncEngine
-from decoding.batch import QueuedStep, Verifying
+from decoding.batch import DecodeBatch, QueuedStep, Verifying
 from decoding.engine import Engine
-from tests.decoding.test_batch import PROMPTS, alone, request, run_batch, run_with_one_leaving
+from tests.decoding.test_batch import (
+    PROMPTS,
+    alone,
+    request,
+    run_batch,
+    run_batch_outputs,
+    run_with_one_leaving,
+)
 
 
 def overlapping(models) -> Engine:
@@ -213,9 +220,9 @@ def test_a_row_ending_at_its_max_tokens_does_not_hold_the_others_back(tiny_model
     late = []
     speculate = Ahead.speculate
 
-    def counted(self, rows, read_at):  # type: ignore[no-untyped-def]
+    def counted(self, rows, read_at, *after):  # type: ignore[no-untyped-def]
         before = dict(self.queued)
-        speculate(self, rows, read_at)
+        speculate(self, rows, read_at, *after)
         late.extend(name for name in self.queued if self.queued[name] is not before.get(name))
 
     monkeypatch.setattr(Ahead, "speculate", counted)
@@ -247,9 +254,9 @@ def test_a_step_queued_after_a_commit_costs_from_the_read_before_it(tiny_models,
         reads.append(time.perf_counter())
         return out
 
-    def queued(self, rows, read_at):  # type: ignore[no-untyped-def]
+    def queued(self, rows, read_at, *after):  # type: ignore[no-untyped-def]
         launched = time.perf_counter()
-        speculate(self, rows, read_at)
+        speculate(self, rows, read_at, *after)
         ahead = self.queued.get(rows[0].target.name)
         if ahead is not None and ahead.batch.width > 1:
             starts.append(ahead.start)
@@ -287,3 +294,53 @@ def test_the_next_step_is_queued_before_the_rows_report(tiny_models, monkeypatch
     queued = [i for i, c in enumerate(calls) if c == "speculate"]
     assert queued, "no step was queued after a commit"
     assert all(calls[i - 1] == "apply" and calls[i + 1] == "commit_step" for i in queued)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-self"])
+def test_the_next_first_draft_pass_is_queued_before_the_read(tiny_models, monkeypatch, model):
+    """Greedy rows drafting with a model queue their next step's first draft pass behind each
+    speculative step's verification, before the host reads it (``FirstDrafts``), fed at the places
+    the device's accepted counts give. Its proposals are then what they are without it: every step
+    proposes the same tokens, and accepts as many, as when each first pass runs after the read, as
+    rows finish at different max_tokens (the pass's rows a superset of the next step's), with every
+    draft rejected (``tiny``: each row fed its pending token and the bonus) and every one accepted
+    (``tiny-self``, which drafts for itself: fed d_k and the bonus)."""
+    import dataclasses
+
+    from decoding.drafters import FirstDrafts
+
+    taken: list[tuple[int, int]] = []  # (rows taking it, rows in the pass)
+    take = FirstDrafts.take
+
+    def counted(self, live):  # type: ignore[no-untyped-def]
+        got = take(self, live)
+        if got is not None:
+            taken.append((len(live), len(self.rows)))
+        return got
+
+    proposed: list[list[list[int] | None]] = []  # each step's proposals, row by row
+    build = DecodeBatch.build
+
+    def built(pending, proposals, device):  # type: ignore[no-untyped-def]
+        proposed.append([None if p is None else p.tolist() for p in proposals])
+        return build(pending, proposals, device)
+
+    monkeypatch.setattr(FirstDrafts, "take", counted)
+    monkeypatch.setattr(DecodeBatch, "build", built)
+    reqs = [
+        dataclasses.replace(request(tiny_models, p, "draft", 3, max_tokens=n), model=model)
+        for p, n in zip(PROMPTS[:4], (9, 17, 24, 24), strict=True)
+    ]
+    ahead = run_batch_outputs(overlapping(tiny_models), reqs)
+    proposed_ahead = list(proposed)
+    proposed.clear()
+    monkeypatch.setattr(Ahead, "first_drafts", lambda *_: None)
+    after = run_batch_outputs(overlapping(tiny_models), reqs)
+    assert len(taken) >= 4 and any(n < of for n, of in taken)  # a step after a row ended took a subset
+    assert proposed_ahead == proposed
+    for r in reqs:
+        steps = [(o.token_ids, o.drafted, o.accepted) for o in ahead[r.request_id]]
+        assert steps == [(o.token_ids, o.drafted, o.accepted) for o in after[r.request_id]]
+        assert any(d for _, d, _ in steps), "no speculative step"
+        if model == "tiny-self":
+            assert all(a == d for _, d, a in steps)
