@@ -173,10 +173,21 @@ class SpecController:
 
     def _best_k(self, a: float | None = None) -> tuple[int, float]:
         if self.drafter_stops:
-            return self.k_max, self.spec_tokens_w / self.spec_seconds_w if self.spec_seconds_w else 0.0
+            # k is a cap that the draft's confidence stop cuts within; once a draft pass is measured
+            # the cap is where the cost model's goodput peaks: on an AMX Xeon the 0.5B draft's pass
+            # cost 0.42 of the 1.5B's step, and a cap of k_max = 8 drafted 8 tokens of which 3 were
+            # kept, a step slower than plain decoding (docs/benchmarks.md, the AMX batched run)
+            rate = self.spec_tokens_w / self.spec_seconds_w if self.spec_seconds_w else 0.0
+            if self.t_draft is None:
+                return self.k_max, rate
+            return self._model_k(self.acceptance if a is None else a)[0], rate
         if self.t_draft is None:
             return min(2, self.k_max), 0.0  # the first, measuring step: cheap if it turns out not to pay
-        a = self.acceptance if a is None else a
+        return self._model_k(self.acceptance if a is None else a)
+
+    def _model_k(self, a: float) -> tuple[int, float]:
+        """The k whose expected tokens per second, by the measured costs, is highest, and that rate."""
+        assert self.t_draft is not None
         best_k, best_rate = 1, -1.0
         for k in range(1, self.k_max + 1):
             tv = self._t_verify(k) or 0.0
