@@ -32,6 +32,7 @@ class Ahead:
         self.queued: dict[str, QueuedStep] = {}  # per target: the step queued by the last call
         self.planned: dict[str, tuple[list[int] | None, list[int]]] = {}  # per target: next step's k
         self.taken = 0  # steps queued ahead whose results were used (observability, tests)
+        self.budget: int | None = None  # prompt tokens a step may take (the last call's prefill budget)
 
     def overlaps(self, seq: Sequence) -> bool:
         """Whether steps are queued ahead: on by default where the device runs asynchronously
@@ -63,14 +64,24 @@ class Ahead:
         return self.engine.ks_for(decoding)
 
     def launch(
-        self, rows: list[Sequence], verifying: Verifying, pick: list[int] | None, in_flight: int
+        self,
+        rows: list[Sequence],
+        verifying: Verifying,
+        pick: list[int] | None,
+        in_flight: int,
+        prefilling: list[Sequence] | None = None,
     ) -> None:
         """Queue the next plain step of ``rows`` (``verifying``'s rows, or those at ``pick``) behind
         the ``in_flight`` steps not yet read back. A row those steps end by max_tokens is left out of
         it (it has no next step; holding the others back for it made every step where a row of a
         batch finished a synchronous one). The rows' k for it are chosen now; when any is not 0
         they are kept for that step, and nothing is queued (``speculate`` queues it once this step
-        is committed)."""
+        is committed). ``prefilling``: prompts still being prefilled, whose next chunks (within
+        ``budget``) go beside the rows, which decode plainly beside them (``Engine._plain_beside_prompts``):
+        a long prompt's chunks were each a synchronous step, ~1.5 ms over their kernels' 6.3 ms at
+        N = 16 on the H200 (bench.gpu_batch, 2026-12-03). Not where a prompt's last chunk is in
+        flight (it decodes in the next step, once its prefill is committed), a prompt scores its
+        tokens, or a row samples with a fixed k (it keeps drafting beside chunks)."""
         if not rows or not self.overlaps(rows[0]):
             return
         if any(self._ends(s, in_flight) for s in rows):
@@ -79,8 +90,15 @@ class Ahead:
             pick, rows = [i for i, _ in going], [s for _, s in going]
         if not rows or not all(self._chains(s) for s in rows):
             return
+        chunks: list[tuple[Sequence, int]] = []
+        if prefilling:
+            if any(
+                s.runner.length >= len(s.tokens) - 1 or s.prompt_logprobs is not None for s in prefilling
+            ) or any(self.engine._keeps_k(s) for s in rows):
+                return
+            chunks = self.engine._prefill_chunks(prefilling, self.budget)
         name = rows[0].target.name
-        ks = self.engine.ks_for(rows, pending=in_flight)
+        ks = [] if chunks else self.engine.ks_for(rows, pending=in_flight)
         if any(ks):
             self.planned[name] = ([id(s) for s in rows], ks)
             return
@@ -93,9 +111,11 @@ class Ahead:
         timer = StepTimer(rows[0].target.device)
         timer.mark()
         start = time.perf_counter()
-        logits, _ = self.engine.target_pass(rows, batch, [])
+        logits, _ = self.engine.target_pass(rows, batch, chunks)
         verifying = Verifying.queue(rows, [None] * B, batch, logits)
-        self.queued[name] = QueuedStep(list(rows), batch, verifying, timer, start, generators=generators)
+        self.queued[name] = QueuedStep(
+            list(rows), batch, verifying, timer, start, generators=generators, chunks=chunks
+        )
         timer.stop()
 
     def first_drafts(
@@ -167,15 +187,20 @@ class Ahead:
         kept = [s for s in step.seqs if id(s) in here]
         step.undo([s for s in step.seqs if id(s) not in here])
         if not kept:
+            for s, n in step.chunks:  # their chunks are fed again by the step that takes them next
+                s.runner.crop(s.runner.length - n)
             return None
         queued = {id(s) for s in step.seqs}
-        # no new rows, none about to join: the next step can be queued too
+        # no new rows, none about to join: the next step can be queued too (prompts being prefilled
+        # beside plain rows: with their next chunks)
         whole = all(id(s) in queued for s in seqs) and not joining
+        chains = all(id(s) in queued or not s.prefilled for s in seqs) and not joining
         began = time.perf_counter()
-        if whole and step.batch.width == 1:  # plain: queue the next before this one's read
+        if chains and step.batch.width == 1:  # plain: queue the next before this one's read
             pos = {id(s): i for i, s in enumerate(step.seqs)}
             pick = None if len(kept) == len(step.seqs) else [pos[id(s)] for s in kept]
-            self.launch(kept, step.verifying, pick, in_flight=1)
+            prefilling = [s for s in seqs if not s.prefilled and s.finished is None]
+            self.launch(kept, step.verifying, pick, in_flight=1, prefilling=prefilling)
         chained = kept[0].target.name in self.queued  # a plain step queued behind this plain one
         launched = time.perf_counter()
         results = step.verifying.results()
@@ -185,9 +210,13 @@ class Ahead:
         applied = step.apply(kept, [by_row[id(s)] for s in kept])
         if whole:
             self.speculate(kept, read_at, step)
-        outs = self.engine.commit_step(step, kept, applied, read_at)
-        if chained:  # a plain step's host work, which a speculative step's wall time would show
+        # a step that also prefilled is no sample of a decode step's cost
+        outs = self.engine.commit_step(step, kept, applied, read_at, "none" if step.chunks else "wall")
+        if (
+            chained and not step.chunks
+        ):  # a plain step's host work, which a speculative step's wall time would show
             self.engine.costs_of(kept[0]).observe_host(
                 len(kept), launched - began + time.perf_counter() - read_at
             )
+        self.engine.took_chunks([(s, n) for s, n in step.chunks if s.finished is None], read_at - step.start)
         return [outs.get(id(s)) for s in seqs]

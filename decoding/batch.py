@@ -176,6 +176,7 @@ class QueuedStep:
     prompt_scores: list[tuple[Sequence, list[int], Scored]] = field(default_factory=list)
     caught_up: int = 0  # tokens the rows' drafts caught up on before it (its timer's lead-in)
     first: FirstDrafts | None = None  # the next step's first draft pass, queued behind it
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # prompt chunks beside it (queued ahead)
 
     def apply(self, rows: list[Sequence], results: list[tuple[int, list[int]]]) -> list[Applied]:
         """Each of ``rows`` (its rows still running; ``results`` theirs) takes its accepted tokens:

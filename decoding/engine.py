@@ -126,10 +126,12 @@ class Engine:
             kept = iter(self.ks_for([s for s, k in zip(decoding, keep, strict=True) if k]))
             ks = [next(kept) if k else 0 for k in keep]
         t0 = time.perf_counter()
+        self.ahead.budget = prefill_budget
         step = self.launch_step(seqs[0].target.device, decoding, ks, chunks, plain)
         whole = len(decoding) == len(seqs) and not joining  # no prompt in this step or the next
-        if whole and max(step.batch.n_drafts, default=1) == 0:
-            self.ahead.launch(decoding, step.verifying, None, in_flight=1)
+        if not joining and max(step.batch.n_drafts, default=1) == 0:
+            prefilling = [s for s in seqs if not s.prefilled]
+            self.ahead.launch(decoding, step.verifying, None, in_flight=1, prefilling=prefilling)
         results = step.verifying.results()  # the step's one host sync
         read_at = time.perf_counter()
         # a step that also prefilled is no sample of a decode step's cost
@@ -143,17 +145,24 @@ class Engine:
             s.prompt_logprobs += [
                 TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in zip(targets, scored.read(), strict=True)
             ]
-        elapsed = time.perf_counter() - t0
+        self.took_chunks(chunks, time.perf_counter() - t0)
+        return [outs.get(id(s)) for s in seqs]
+
+    def took_chunks(self, chunks: list[tuple[Sequence, int]], elapsed: float) -> None:
+        """A step's prompt chunks are in their caches: their prefill's cost, and the prompts they
+        complete are prefilled (they decode from the next step on). A prompt with a chunk in a step
+        queued after this one (``Ahead.launch``) is not complete by this one, whatever its length
+        says."""
+        queued = self.ahead.queued.get(chunks[0][0].target.name) if chunks else None
+        later = {id(s) for s, _ in queued.chunks} if queued is not None else set()
         step_tokens = sum(n for _, n in chunks)
         for s, n in chunks:
             s.stats.prefill_s += elapsed
             # the controller's per-token slope: this sequence's share of a step that others share
             s.prefill_cost += elapsed * n / step_tokens if step_tokens else 0.0
-            if s.runner.length == len(s.tokens) - 1:
+            if s.runner.length == len(s.tokens) - 1 and id(s) not in later:
                 s.controller.observe_prefill(len(s.tokens) - 1, s.prefill_cost)
                 s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
-            outs[id(s)] = None
-        return [outs.get(id(s)) for s in seqs]
 
     def launch_step(
         self,

@@ -344,3 +344,58 @@ def test_the_next_first_draft_pass_is_queued_before_the_read(tiny_models, monkey
         assert any(d for _, d, _ in steps), "no speculative step"
         if model == "tiny-self":
             assert all(a == d for _, d, a in steps)
+
+
+def test_prompt_chunks_beside_plain_rows_are_queued_ahead(tiny_models, monkeypatch):
+    """A long prompt prefilled in chunks beside plain rows: each step with its next chunk is queued
+    before the host reads the step before back, as plain steps are, not run as a synchronous step;
+    every output is what it is alone, and the prompt's first token comes at the same call as
+    without steps queued ahead (its last chunk is not chained past: it decodes from the next step)."""
+    chunked: list[int] = []
+    take = Ahead.take
+
+    def taken(self, seqs, joining=False):  # type: ignore[no-untyped-def]
+        step = self.queued.get(seqs[0].target.name)
+        if step is not None and step.chunks:
+            chunked.append(len(step.chunks))
+        return take(self, seqs, joining)
+
+    monkeypatch.setattr(Ahead, "take", taken)
+    reqs = [request(tiny_models, p, "off", max_tokens=30) for p in PROMPTS[:3]]
+    reqs.append(request(tiny_models, "long " * 60, max_tokens=6))
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    first_at = {}
+    for name, engine in (("queued", overlapping(tiny_models)), ("in step", Engine(tiny_models))):
+        calls = 0
+        step_batch = engine.step_batch
+
+        def counted(seqs, budget=None, joining=False, step_batch=step_batch, name=name):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            outs = step_batch(seqs, budget, joining)
+            if any(o is not None and o.request_id == reqs[-1].request_id for o in outs):
+                first_at.setdefault(name, calls)
+            return outs
+
+        engine.step_batch = counted  # type: ignore[method-assign]
+        assert run_batch(engine, reqs, join_at=[0, 0, 0, 2], budget=8) == expected
+    assert len(chunked) >= 4, "no step with a prompt chunk was queued ahead"
+    assert first_at["queued"] == first_at["in step"]
+
+
+async def test_abort_mid_prefill_while_its_chunk_is_queued_frees_the_slot(tiny_models):
+    """A prompt aborted while a step holding its next chunk is queued: every KV slot comes back and
+    the other requests' outputs are theirs alone."""
+    from tests.decoding.test_batch import _abort_during_prefill
+
+    engine = overlapping(tiny_models)
+    reqs = [request(tiny_models, p, "off", max_tokens=40) for p in PROMPTS[:4]]
+    long_prompt = request(tiny_models, "long " * 300, max_tokens=8)
+    expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
+    ae = AsyncEngine(engine, max_active=8, prefill_budget=16)
+    try:
+        pool = tiny_models["tiny"].runner_factory.__self__
+        await run_with_one_leaving(ae, pool, reqs, expected, 2, _abort_during_prefill(ae, long_prompt))
+    finally:
+        ae.shutdown()
+    assert engine.ahead_steps > 0
