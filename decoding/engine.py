@@ -114,6 +114,7 @@ class Engine:
         queued (a queued step would hold their prefill back a step)."""
         if not seqs:
             return []
+        self.ahead.budget = prefill_budget  # the next chunks of a step queued ahead keep within it
         taken = self.ahead.take(seqs, joining)
         if taken is not None:
             return taken
@@ -126,7 +127,6 @@ class Engine:
             kept = iter(self.ks_for([s for s, k in zip(decoding, keep, strict=True) if k]))
             ks = [next(kept) if k else 0 for k in keep]
         t0 = time.perf_counter()
-        self.ahead.budget = prefill_budget
         step = self.launch_step(seqs[0].target.device, decoding, ks, chunks, plain)
         whole = len(decoding) == len(seqs) and not joining  # no prompt in this step or the next
         if not joining and max(step.batch.n_drafts, default=1) == 0:
