@@ -178,20 +178,30 @@ class SpecController:
             # cost 0.42 of the 1.5B's step, and a cap of k_max = 8 drafted 8 tokens of which 3 were
             # kept, a step slower than plain decoding (docs/benchmarks.md, the AMX batched run)
             rate = self.spec_tokens_w / self.spec_seconds_w if self.spec_seconds_w else 0.0
-            if self.t_draft is None:
-                return self.k_max, rate
-            return self._model_k(self.acceptance if a is None else a)[0], rate
+            if self.t_draft is None:  # before a pass is measured: the draft's share of the parameters
+                if self.t_plain is None or not self.draft_cost_prior:
+                    return self.k_max, rate
+                prior = self.draft_cost_prior * self.t_plain
+                return self._model_k(self.acceptance if a is None else a, prior)[0], rate
+            # the measured rate is the last caps' (k_max at first): one step at k = 8 there gave 4
+            # tokens in 1.18 s against 0.25 s a plain token, and speculation went off for the rest of
+            # the request, where k = 3 would have given ~1.35x. What the model expects of its own cap
+            # counts too.
+            k, expected = self._model_k(self.acceptance if a is None else a)
+            return k, max(rate, expected)
         if self.t_draft is None:
             return min(2, self.k_max), 0.0  # the first, measuring step: cheap if it turns out not to pay
         return self._model_k(self.acceptance if a is None else a)
 
-    def _model_k(self, a: float) -> tuple[int, float]:
-        """The k whose expected tokens per second, by the measured costs, is highest, and that rate."""
-        assert self.t_draft is not None
+    def _model_k(self, a: float, t_draft: float | None = None) -> tuple[int, float]:
+        """The k whose expected tokens per second, by the measured costs (a draft pass's: ``t_draft``
+        where given), is highest, and that rate."""
+        t_draft = self.t_draft if t_draft is None else t_draft
+        assert t_draft is not None
         best_k, best_rate = 1, -1.0
         for k in range(1, self.k_max + 1):
             tv = self._t_verify(k) or 0.0
-            cost = k * self.t_draft + tv
+            cost = k * t_draft + tv
             rate = expected_tokens(a, k) / cost if cost > 0 else float("inf")
             if rate > best_rate:
                 best_k, best_rate = k, rate

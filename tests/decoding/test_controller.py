@@ -106,6 +106,24 @@ def test_a_drafter_that_stops_itself_gets_a_cap_and_is_judged_on_measured_steps(
     assert ks[10:].count(0) > len(ks[10:]) * 0.6 and any(ks[10:])  # off, probing
 
 
+def test_a_stopping_draft_is_not_switched_off_by_one_step_at_its_first_cap():
+    """The measured rate of a confidence-stopping draft is the rate of the caps it drafted at: one
+    step at k = 8 where the draft costs 0.45 of a target step (8 drafted, 3 kept: 4 tokens in 1.18 s
+    against 0.25 s a plain token, the 0.5B on an AMX Xeon) must not switch speculation off where
+    the cost model says a lower cap pays; and before any pass is measured the first cap is the cost
+    model's at the draft's share of the parameters, not k_max."""
+    c = SpecController(k_max=8, drafter_stops=True, draft_cost_prior=0.33)
+    assert c.choose_k() == 0
+    c.observe(0, 0, 0.0, 0.25)
+    assert 0 < c.choose_k() < 8
+    c = SpecController(k_max=8, drafter_stops=True)
+    c.observe(0, 0, 0.0, 0.25)
+    c.accepted_w, c.rejected_w = 8.0, 1.0  # a = 0.89 so far
+    c.observe(8, 3, 8 * 0.114, 0.266)
+    k = c.choose_k()
+    assert not c.switched_off and 0 < k < 8
+
+
 def test_an_expensive_stopping_draft_is_capped_below_k_max():
     """A confidence-stopping draft whose pass costs 0.42 of a target step (the 0.5B against the
     1.5B on an AMX Xeon) and whose tokens are kept at ~0.6: k = 8 would draft 8 tokens a step of
