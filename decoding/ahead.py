@@ -94,9 +94,9 @@ class Ahead:
         if prefilling:
             if any(
                 s.runner.length >= len(s.tokens) - 1 or s.prompt_logprobs is not None for s in prefilling
-            ) or any(self.engine._keeps_k(s) for s in rows):
+            ) or any(self.engine.keeps_k(s) for s in rows):
                 return
-            chunks = self.engine._prefill_chunks(prefilling, self.budget)
+            chunks = self.engine.prefill_chunks(prefilling, self.budget)
         name = rows[0].target.name
         ks = [] if chunks else self.engine.ks_for(rows, pending=in_flight)
         if any(ks):
@@ -212,9 +212,8 @@ class Ahead:
             self.speculate(kept, read_at, step)
         # a step that also prefilled is no sample of a decode step's cost
         outs = self.engine.commit_step(step, kept, applied, read_at, "none" if step.chunks else "wall")
-        if (
-            chained and not step.chunks
-        ):  # a plain step's host work, which a speculative step's wall time would show
+        # a plain step's host work, which a speculative step's wall time would show
+        if chained and not step.chunks:
             self.engine.costs_of(kept[0]).observe_host(
                 len(kept), launched - began + time.perf_counter() - read_at
             )

@@ -119,10 +119,10 @@ class Engine:
         if taken is not None:
             return taken
         decoding = [s for s in seqs if s.prefilled]
-        chunks = self._prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
+        chunks = self.prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
         plain = self._plain_beside_prompts(decoding, chunks)
         ks = self.ahead.planned_ks(decoding, plain)
-        if plain and any(keep := [self._keeps_k(s) for s in decoding]):
+        if plain and any(keep := [self.keeps_k(s) for s in decoding]):
             # their own controllers' k (a fixed k is no batch choice: the others' controllers are not asked)
             kept = iter(self.ks_for([s for s, k in zip(decoding, keep, strict=True) if k]))
             ks = [next(kept) if k else 0 for k in keep]
@@ -299,7 +299,7 @@ class Engine:
         return outs
 
     @staticmethod
-    def _keeps_k(seq: Sequence) -> bool:
+    def keeps_k(seq: Sequence) -> bool:
         """Whether a row keeps its k beside prompt chunks (``_plain_beside_prompts``): one that
         samples with a k the client fixed. Its draws follow its k, and a seeded request samples the
         same alone and in a batch only if its k is the same in both (an adaptive row's k is the
@@ -317,11 +317,11 @@ class Engine:
         draft with it, batched, a few steps on. Under CUDA graphs in fast mode, verification widths
         beside each chunk size would besides be graphs captured mid-stream (100-140 ms each for the
         7B shape on the H200). A long prompt's chunks keep the others plain for as many steps.
-        Rows that sample with a fixed k keep it (``_keeps_k``)."""
+        Rows that sample with a fixed k keep it (``keeps_k``)."""
         return bool(decoding) and any(n for _, n in chunks)
 
     @staticmethod
-    def _prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
+    def prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
         """The prompt tokens each prefilling sequence feeds this step, first come first served."""
         chunks = []
         for s in prefilling:

@@ -331,16 +331,16 @@ def test_batch_costs_keep_plain_steps_apart_from_verification_and_stalls():
 
 
 def spy_prefill_chunks(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
-    """Engine._prefill_chunks spied on: per step, whether it took any prompt chunk."""
+    """Engine.prefill_chunks spied on: per step, whether it took any prompt chunk."""
     had_chunks: list[bool] = []
-    chunks_of = Engine._prefill_chunks
+    chunks_of = Engine.prefill_chunks
 
     def spy(prefilling, budget):  # type: ignore[no-untyped-def]
         out = chunks_of(prefilling, budget)
         had_chunks.append(any(n for _, n in out))
         return out
 
-    monkeypatch.setattr(Engine, "_prefill_chunks", staticmethod(spy))
+    monkeypatch.setattr(Engine, "prefill_chunks", staticmethod(spy))
     return had_chunks
 
 

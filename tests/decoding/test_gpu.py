@@ -235,7 +235,7 @@ def test_fast_mode_rows_beside_prompt_chunks_decode_plainly(gpu_models):
 
 
 def test_fast_mode_seeded_rows_with_a_fixed_k_sample_the_same_alone_and_batched(gpu_models):
-    """Rows that sample with a fixed k keep it beside prompt chunks (Engine._keeps_k): their draws
+    """Rows that sample with a fixed k keep it beside prompt chunks (Engine.keeps_k): their draws
     follow their k, so a seeded request joined by others mid-stream samples as it does alone."""
     from tests.decoding.test_batch import run_batch
 
