@@ -14,6 +14,7 @@ import pytest
 from decoding.ahead import Ahead
 from decoding.async_engine import AsyncEngine
 from decoding.batch import DecodeBatch, QueuedStep, Verifying
+from decoding.controller import SpecController
 from decoding.engine import Engine
 from tests.decoding.test_batch import (
     PROMPTS,
@@ -361,6 +362,14 @@ def test_prompt_chunks_beside_plain_rows_are_queued_ahead(tiny_models, monkeypat
         return take(self, seqs, joining)
 
     monkeypatch.setattr(Ahead, "take", taken)
+    prefilled: list[int] = []  # id of each controller told its prompt's prefill, once it is complete
+    observe_prefill = SpecController.observe_prefill
+
+    def told(self, tokens, seconds):  # type: ignore[no-untyped-def]
+        prefilled.append(id(self))
+        return observe_prefill(self, tokens, seconds)
+
+    monkeypatch.setattr(SpecController, "observe_prefill", told)
     reqs = [request(tiny_models, p, "off", max_tokens=30) for p in PROMPTS[:3]]
     reqs.append(request(tiny_models, "long " * 60, max_tokens=6))
     expected = {r.request_id: alone(Engine(tiny_models), r) for r in reqs}
@@ -378,7 +387,10 @@ def test_prompt_chunks_beside_plain_rows_are_queued_ahead(tiny_models, monkeypat
             return outs
 
         engine.step_batch = counted  # type: ignore[method-assign]
+        prefilled.clear()
         assert run_batch(engine, reqs, join_at=[0, 0, 0, 2], budget=8) == expected
+        # a prompt whose last chunk is queued behind the step taken is not complete by that step
+        assert len(prefilled) == len(set(prefilled)) == len(reqs)
     assert len(chunked) >= 4, "no step with a prompt chunk was queued ahead"
     assert first_at["queued"] == first_at["in step"]
 
