@@ -411,3 +411,31 @@ async def test_abort_mid_prefill_while_its_chunk_is_queued_frees_the_slot(tiny_m
     finally:
         ae.shutdown()
     assert engine.ahead_steps > 0
+
+
+def test_a_queued_chunk_step_whose_rows_all_stop_gives_its_chunks_back(tiny_models, monkeypatch):
+    """The only decoding row meets its stop token while a step holding a prompt's next chunk is
+    queued behind it: that step is not taken, its chunk is given back (fed again by the next step),
+    and the prompt's output is what it is alone."""
+    dropped: list[int] = []  # prompt tokens of queued chunk steps that were not taken
+    take = Ahead.take
+
+    def taken(self, seqs, joining=False):  # type: ignore[no-untyped-def]
+        step = self.queued.get(seqs[0].target.name)
+        got = take(self, seqs, joining)
+        if got is None and step is not None:
+            dropped.extend(n for _, n in step.chunks)
+        return got
+
+    monkeypatch.setattr(Ahead, "take", taken)
+    ref = Engine(tiny_models)
+    free = alone(ref, request(tiny_models, PROMPTS[1], max_tokens=20))
+    stop = free[5]
+    reqs = [
+        request(tiny_models, PROMPTS[1], max_tokens=20, stop_token_ids=[stop]),
+        request(tiny_models, "long " * 60, max_tokens=6),
+    ]
+    expected = {r.request_id: alone(ref, r) for r in reqs}
+    assert expected[reqs[0].request_id] == free[: free.index(stop)]
+    assert run_batch(overlapping(tiny_models), reqs, join_at=[0, 2], budget=4) == expected
+    assert dropped, "no queued step with a prompt chunk was left untaken"
