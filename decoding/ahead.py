@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decoding.batch import DecodeBatch, QueuedStep, Verifying
-from decoding.drafters import DraftModelDrafter, FirstDrafts, draft_first
+from decoding.drafters import DraftModelDrafter, FirstDrafts, draft_first, drafts_argmax
 from decoding.runner import as_ids
 from decoding.timing import StepTimer
 
@@ -130,18 +130,21 @@ class Ahead:
         H200, a tenth of a k = 4 step (bench.probe_spec_host). Used only by the step ``speculate``
         launches right after this one is applied; a row that ends, or a next step that is plain,
         leaves it unread (what it wrote lies past the caches' lengths)."""
-        outcome = verifying.outcome()
-        if not rows or batch.width == 1 or outcome is None or not self.overlaps(rows[0]):
+        if not rows or batch.width == 1 or not self.overlaps(rows[0]):
             return None
+        outcome = verifying.outcome()
         # the rows that drafted this step (a row at its last token drafts none; it ends here)
         drafting = [b for b, k in enumerate(batch.n_drafts) if k]
         drafters = [rows[b].drafter for b in drafting]
-        if not drafters or not all(
-            isinstance(d, DraftModelDrafter)
-            and d.min_confidence == 0
-            and d.shape is None
-            and d.runner.length >= len(rows[b].tokens)  # it drafted this step from the pending token on
-            for b, d in zip(drafting, drafters, strict=True)
+        if (
+            outcome is None
+            or not drafters
+            or not all(
+                isinstance(d, DraftModelDrafter)
+                and drafts_argmax(d, rows[b].request.params)
+                and d.runner.length >= len(rows[b].tokens)  # it drafted this step from the pending token on
+                for b, d in zip(drafting, drafters, strict=True)
+            )
         ):
             return None
         n, argmax, ids = outcome[0], outcome[1], batch.ids  # [B], [B, W], [B, W]

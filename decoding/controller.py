@@ -172,32 +172,31 @@ class SpecController:
         return min(1.0, a + self.doubt * (a * (1 - a) / (n + 1)) ** 0.5)
 
     def _best_k(self, a: float | None = None) -> tuple[int, float]:
+        """The k to draft at acceptance ``a`` (None: the estimate) and the rate (tokens/s) the
+        goodput check judges it by."""
+        a = self.acceptance if a is None else a
+        t_draft = self.t_draft
+        if t_draft is None and self.drafter_stops and self.t_plain is not None and self.draft_cost_prior:
+            t_draft = (
+                self.draft_cost_prior * self.t_plain
+            )  # before a pass is measured: its share of the parameters
+        if t_draft is None:  # the first, measuring step: cheap if it turns out not to pay
+            return (self.k_max if self.drafter_stops else min(2, self.k_max)), 0.0
+        k, expected = self._model_k(a, t_draft)
         if self.drafter_stops:
-            # k is a cap that the draft's confidence stop cuts within; once a draft pass is measured
-            # the cap is where the cost model's goodput peaks: on an AMX Xeon the 0.5B draft's pass
-            # cost 0.42 of the 1.5B's step, and a cap of k_max = 8 drafted 8 tokens of which 3 were
-            # kept, a step slower than plain decoding (docs/benchmarks.md, the AMX batched run)
-            rate = self.spec_tokens_w / self.spec_seconds_w if self.spec_seconds_w else 0.0
-            if self.t_draft is None:  # before a pass is measured: the draft's share of the parameters
-                if self.t_plain is None or not self.draft_cost_prior:
-                    return self.k_max, rate
-                prior = self.draft_cost_prior * self.t_plain
-                return self._model_k(self.acceptance if a is None else a, prior)[0], rate
-            # the measured rate is the last caps' (k_max at first): one step at k = 8 there gave 4
-            # tokens in 1.18 s against 0.25 s a plain token, and speculation went off for the rest of
-            # the request, where k = 3 would have given ~1.35x. What the model expects of its own cap
-            # counts too.
-            k, expected = self._model_k(self.acceptance if a is None else a)
-            return k, max(rate, expected)
-        if self.t_draft is None:
-            return min(2, self.k_max), 0.0  # the first, measuring step: cheap if it turns out not to pay
-        return self._model_k(self.acceptance if a is None else a)
+            # k is a cap the draft's confidence stop cuts within, at the model's peak: on an AMX Xeon
+            # the 0.5B's pass cost 0.42 of the 1.5B's step, and a cap of k_max = 8 drafted 8 tokens
+            # and kept 3, a step slower than plain (docs/benchmarks.md, the AMX batched run). E(k)
+            # misjudges a stop that drops unsure tokens, so the measured rate counts, but it is the
+            # old caps': one k = 8 step (4 tokens in 1.18 s against 0.25 s a plain token) switched
+            # speculation off where k = 3 gave ~1.35x, so what the model expects of its cap counts too
+            measured = self.spec_tokens_w / self.spec_seconds_w if self.spec_seconds_w else 0.0
+            return k, max(measured, expected)
+        return k, expected
 
-    def _model_k(self, a: float, t_draft: float | None = None) -> tuple[int, float]:
-        """The k whose expected tokens per second, by the measured costs (a draft pass's: ``t_draft``
-        where given), is highest, and that rate."""
-        t_draft = self.t_draft if t_draft is None else t_draft
-        assert t_draft is not None
+    def _model_k(self, a: float, t_draft: float) -> tuple[int, float]:
+        """The k whose expected tokens per second, at a draft pass of ``t_draft`` and the measured
+        verifications, is highest, and that rate."""
         best_k, best_rate = 1, -1.0
         for k in range(1, self.k_max + 1):
             tv = self._t_verify(k) or 0.0

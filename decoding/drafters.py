@@ -278,6 +278,12 @@ def catch_up_many(items: list[ProposeItem]) -> int:
     return fed
 
 
+def drafts_argmax(drafter: DraftModelDrafter, params: SamplingParams) -> bool:
+    """Whether a row's drafts are its draft model's argmax, pass after pass, nothing read on the host
+    between passes: greedy, no penalty, no confidence stop, no shaping."""
+    return params.greedy and not params.penalised and drafter.min_confidence == 0 and drafter.shape is None
+
+
 @dataclass
 class FirstDrafts:
     """A step's first draft pass, queued behind the verification of the step before it and ahead of
@@ -365,13 +371,7 @@ def propose_many(items: list[ProposeItem], first: FirstDrafts | None = None) -> 
     feed: list[torch.Tensor] | list[list[int]] = [items[i][1][d.drafter.runner.length :] for i, d in live]
     device = live[0][1].drafter.device
     # greedy rows with no penalty, confidence stop or shaping: one argmax a pass for the batch
-    plain = all(
-        d.params.greedy
-        and not d.params.penalised
-        and d.drafter.min_confidence == 0
-        and d.drafter.shape is None
-        for _, d in live
-    )
+    plain = all(drafts_argmax(d.drafter, d.params) for _, d in live)
     pre = first.take([d for _, d in live]) if first is not None and plain else None  # [B]
     if plain and len({d.k for _, d in live}) == 1 and len({type(d.drafter) for _, d in live}) == 1:
         return _lockstep(live, feed, device, out, pre)
