@@ -353,6 +353,26 @@ def main(argv: list[str] | None = None) -> None:
             g = torch.Generator().manual_seed(1000 * len(reqs) + i)
             engine.references[r.request_id] = corrupt(ref.get(i, [0] * NEW), ACCEPTANCE, g)
 
+    def rehearse(
+        ae: AsyncEngine, N: int, mode: str, ref: dict[int, list[int]]
+    ) -> tuple[dict[int, list[int]], int]:
+        # fast mode's replay reference: plain decoding's output parts from a speculative run's at bf16
+        # ties (a verification row and a 1-token row round apart), and past a parting the replay
+        # proposes a continuation the target no longer follows: it measures a draft that stopped
+        # agreeing, not acceptance 0.8 (2026-12-03 18:44 UTC: a tie at token 16 left N = 1 at 1.09
+        # tokens a step). Untimed rehearsals of the run itself, each replaying the last one's output,
+        # until one emits its reference (up to 3): the timed run's drafts then agree at 0.8 with what
+        # the target emits in it. Its identity to plain decoding is still judged against ``off``.
+        reqs = requests(N, mode)
+        for n in range(1, 4):
+            replay(fast, reqs, ref)
+            _, _, outs, _ = asyncio.run(run_requests(ae, reqs))
+            got = {i: outs[r.request_id] for i, r in enumerate(reqs)}
+            if got == ref:
+                return ref, n
+            ref = got
+        return ref, 4
+
     R["engine"] = {}
     for N in ns:
         # exact mode: every run's steps have one shape (all prompts in one prefill step, then decode
@@ -386,11 +406,18 @@ def main(argv: list[str] | None = None) -> None:
             for mode, (engine, _) in modes.items():
                 ae = engines[id(engine)]
                 reqs = requests(N, mode)
-                replay(engine, reqs, ref_out if engine is exact else ref_fast)
+                ref_replay, rehearsals = ref_out if engine is exact else ref_fast, 0
+                if mode == "auto_fast":
+                    ref_replay, rehearsals = rehearse(ae, N, mode, ref_fast)
+                replay(engine, reqs, ref_replay)
                 if engine is exact:
                     ae.max_active = 0
                 t_sub, chunks, outs, _ = asyncio.run(run_requests(ae, reqs, hold=engine is exact))
                 s = summarise(t_sub, chunks, N, kv_row, weights, bw)
+                if rehearsals:
+                    s["rehearsals"] = rehearsals
+                    same = sum(outs[r.request_id] == ref_replay[i] for i, r in enumerate(reqs))
+                    s["identical_to_replay"] = f"{same}/{N}"
                 if mode == "off":
                     ref_fast = {i: outs[r.request_id] for i, r in enumerate(reqs)}
                 elif mode == "off_exact":

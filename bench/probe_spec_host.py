@@ -1,7 +1,9 @@
 """Device probe: what a large batch's speculative step costs in fast mode beyond its graphs' replays,
 the host's share and a process's first use, as bench.gpu_batch's ``auto_fast`` row meets them at N = 64.
 
-    python -m bench.probe_spec_host [k=K ...] [N ...]   (default k=1 k=4, N = 16 64)
+    python -m bench.probe_spec_host [k=K ...] [N ...] [cold]   (default k=1 k=4, N = 16 64)
+
+``cold``: also the host functions the first speculative run spent the most time in.
 
 For each N: a plain run (the replay's reference and the plain step's time), then for each k a first
 speculative run (a fresh process's first use of that shape: its first steps' times), a second run
@@ -69,7 +71,7 @@ def drive(e, reqs, ref=None):  # type: ignore[no-untyped-def]
 
 def main() -> None:
     ks = [int(a[2:]) for a in sys.argv[1:] if a.startswith("k=")] or [1, 4]
-    ns = [int(a) for a in sys.argv[1:] if "=" not in a] or [16, 64]
+    ns = [int(a) for a in sys.argv[1:] if a.isdigit()] or [16, 64]
     target, draft = build(TARGET, 0), build(DRAFT, 1)
     tm = StaticModel(target, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
     dm = StaticModel(draft, MAX_LEN, slots=max(ns) + 2, graphs=True, compile_step=True)
@@ -100,7 +102,20 @@ def main() -> None:
         )
         for k in ks:
             spec = SpecParams(SpecMode.DRAFT, max_k=k, adaptive=False)
+            cold_prof = cProfile.Profile()
+            cold_prof.enable()
             cold, _ = drive(e, reqs(f"cold{N}.{k}-", spec), ref)
+            cold_prof.disable()
+            if "cold" in sys.argv[1:]:  # where a process's first speculative steps spend their time
+                print(f"N={N} k={k} cold run, host functions by own time:")
+                cst = pstats.Stats(cold_prof)
+                for (f, line, name), (_, calls, tt, ct, _) in sorted(
+                    cst.stats.items(),  # type: ignore[attr-defined]
+                    key=lambda kv: -kv[1][2],
+                )[:25]:
+                    print(
+                        f"   {1e3 * tt:8.1f} ms own, {1e3 * ct:8.1f} cum, {calls:6d} calls  {f.split('/')[-1]}:{line} {name}"
+                    )
             warm, _ = drive(e, reqs(f"warm{N}.{k}-", spec), ref)
             prof = cProfile.Profile()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as tp:

@@ -97,14 +97,18 @@ def render(path: str) -> None:
         f"Command: `{R['command']}`. Date: {R['date']}. Qwen2.5-7B-shaped target and 0.5B-shaped draft, "
         f"random weights, bf16, {'inductor-compiled layer halves under' if R['compiled'] else ''} CUDA graphs "
         f"keyed by (batch bucket, width), attention by the fused kernel (decoding/kernels.py); {R['prompt']}-token "
-        f"prompts, {R['new']} new tokens, greedy, through `AsyncEngine` (prefill budget 256 tokens per step; prompts "
+        f"prompts, {R['new']} new tokens, greedy, through `AsyncEngine` (prefill budget 256 tokens per step beside decoding rows, up to 2048 in a step "
+        "with none: `burst_budget`, from 2026-12-03 20:50 UTC; prompts "
         "and prompt chunks of up to 512 tokens replay CUDA graphs too, attending with the fused chunk kernel). `off`: "
         "fast mode. Speculation is compared in exact mode (every row padded to width 9, docs/architecture.md), where "
         "a verification row rounds as a 1-token row does; in fast mode random weights tie their top logits at bf16 "
         "resolution often enough that outputs part and the replay's reference stops matching. Speculation on: a "
         "replay drafter (the real draft model runs, batched, for its cost; it proposes the target's own continuation "
         f"corrupted to acceptance {R['acceptance']}), k = {R['k_on']}; auto: the same drafter with adaptive k and the "
-        "batch-aware cap. "
+        "batch-aware cap. Fast auto (from 2026-12-03 20:50 UTC): its replay reference is the run's own output, "
+        "from untimed rehearsals each replaying the last one's output until one emits its reference (`rehearsals`), "
+        "so that a bf16 tie does not leave the drafts proposing a continuation the target no longer follows; its "
+        "identity is still judged against fast `off`. "
         + ("transformers: the best of 3 timed runs at each N. " if R.get("transformers_runs") else "")
         + "Roofline: copy bandwidth / (weights + each row's KV bytes at the mean context) per step.",
         "",

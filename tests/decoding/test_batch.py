@@ -242,6 +242,44 @@ async def test_more_requests_than_kv_slots_wait_and_all_finish(tiny_models):
         assert finish == FinishReason.LENGTH and tokens == expected[r.request_id]
 
 
+async def test_a_burst_reaching_an_idle_engine_is_prefilled_in_one_step(tiny_models):
+    """Requests queued at an idle engine: the first step takes every prompt (up to ``burst_budget``,
+    not the ``prefill_budget`` chunks that keep decoding rows' latency), so every first token comes
+    from the second; a prompt that joins while rows decode is still chunked; outputs are each request's alone."""
+    from decoding.params import BatchStep
+
+    engine = Engine(tiny_models)
+    burst = [request(tiny_models, PROMPTS[i], "off", max_tokens=48) for i in (0, 1, 2, 4)]
+    late = request(tiny_models, PROMPTS[5] * 2, "off", max_tokens=4)
+    expected = {r.request_id: alone(engine, r) for r in [*burst, late]}
+    ae = AsyncEngine(engine, max_active=0, max_queued=8, prefill_budget=4, burst_budget=256)
+    seen: list[BatchStep] = []
+    ae.add_step_observer(seen.append)
+
+    async def join_late():
+        while not seen:
+            await asyncio.sleep(0.001)
+        return await _collect(ae, late)
+
+    try:
+        tasks = [asyncio.ensure_future(_collect(ae, r)) for r in burst]
+        while ae.queue_depth < len(burst):
+            await asyncio.sleep(0.001)
+        with ae._wake:  # every request queued before the engine admits any
+            ae.max_active = len(burst) + 1
+            ae._wake.notify()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, join_late()), 120)
+    finally:
+        ae.shutdown()
+    assert all(len(r.prompt_token_ids) > 4 for r in burst)
+    # the first step prefills every prompt but its last token, which the next feeds: every first token
+    assert seen[1].rows == len(burst) and seen[1].prefilling == 0
+    for r, (tokens, finish) in zip([*burst, late], results, strict=True):
+        assert finish == FinishReason.LENGTH and tokens == expected[r.request_id]
+    # the late prompt joined decoding rows: it came in chunks of 4 beside them
+    assert sum(s.prefilling for s in seen[1:]) >= (len(late.prompt_token_ids) - 1) // 4
+
+
 async def test_step_observers_see_each_batched_step(tiny_models):
     """The engine reports every step over a target's batch (the metrics' batch size, tokens a step,
     k by batch size): rows given tokens, prompt chunks beside them, the tokens, the drafts."""
