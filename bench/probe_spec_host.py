@@ -1,9 +1,10 @@
 """Device probe: what a large batch's speculative step costs in fast mode beyond its graphs' replays,
 the host's share and a process's first use, as bench.gpu_batch's ``auto_fast`` row meets them at N = 64.
 
-    python -m bench.probe_spec_host [k=K ...] [N ...] [cold]   (default k=1 k=4, N = 16 64)
+    python -m bench.probe_spec_host [k=K ...] [N ...] [cold] [warmed]   (default k=1 k=4, N = 16 64)
 
-``cold``: also the host functions the first speculative run spent the most time in.
+``cold``: also the host functions the first speculative run spent the most time in; ``warmed``:
+``Engine.warm_up`` first, as the server runs it at load.
 
 For each N: a plain run (the replay's reference and the plain step's time), then for each k a first
 speculative run (a fresh process's first use of that shape: its first steps' times), a second run
@@ -82,6 +83,8 @@ def main() -> None:
     dm.capture(range(1, dm.max_graph_tokens + 1), buckets)
     dm.capture(range(0), (), chunk_tokens=(128, 256, 512))
     e = replay_engine(target, draft, tm, dm, MAX_LEN, MAX_LEN)
+    if "warmed" in sys.argv[1:]:  # as the server does at load
+        print(f"warm-up: {e.warm_up('target')} steps", flush=True)
     prompts = torch.randint(0, 150000, (max(ns), PROMPT), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     ms = lambda xs: f"{1e3 * sum(xs) / max(1, len(xs)):.2f}"  # noqa: E731

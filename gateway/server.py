@@ -179,6 +179,9 @@ def _build_engine(settings: Settings) -> EngineClient:
     # max_active requests and a draft for as many more
     specs = [replace(s, slots=2 * max_active, max_batch=max_active) for s in specs]
     engine = Engine(load_all(specs))
+    for name, m in engine.models.items():
+        if m.device.type == "cuda":  # kernels that load on first use, loaded before the first request
+            log.info("model %s: warmed up in %d steps", name, engine.warm_up(name))
     return AsyncEngine(engine, max_active=max_active, max_queued=settings.limits.max_queued)
 
 

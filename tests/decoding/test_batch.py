@@ -722,3 +722,29 @@ def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
     assert seen[0][1:] == (False, True)  # the stalled step: no cost sample, no goodput sample
     assert seen[1][1] and not seen[1][2] and costs.target[2, 8] < 1.0  # the next one is the sample
     assert costs.held == {(2, 8)}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-draft"])  # with its draft model; by prompt lookup
+def test_warm_up_runs_speculative_steps_then_forgets_them(tiny_models, monkeypatch, name):
+    """``Engine.warm_up`` verifies drafts greedily and by rejection sampling, frees every slot, and
+    leaves no measured cost or acceptance behind: an adaptive request after it is served step for
+    step as on an engine that never warmed up."""
+    import decoding.batch as batch_mod
+
+    used: list[str] = []
+    for fn in ("verify_greedy_batch", "verify_sampling"):
+        real = getattr(batch_mod, fn)
+        monkeypatch.setattr(batch_mod, fn, lambda *a, _f=real, _n=fn, **k: used.append(_n) or _f(*a, **k))
+    warmed, fresh = Engine(tiny_models), Engine(tiny_models)
+    assert warmed.warm_up(name) > 0
+    assert {"verify_greedy_batch", "verify_sampling"} <= set(used)
+    pools = {id(m.runner_factory.__self__): m.runner_factory.__self__ for m in tiny_models.values()}
+    assert all(p.free_slots == p.slots for p in pools.values())
+    assert not warmed.costs and not warmed.population
+    r = request(tiny_models, PROMPTS[4], "auto", adaptive=True, max_tokens=32)
+    r = GenerationRequest(r.request_id, name, r.prompt_token_ids, r.params, r.spec)
+
+    def steps(engine):
+        return [o.token_ids for o in run_batch_outputs(engine, [r])[r.request_id]]
+
+    assert steps(warmed) == steps(fresh)
