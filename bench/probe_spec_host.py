@@ -44,29 +44,17 @@ def drive(e, reqs, ref=None):  # type: ignore[no-untyped-def]
     if ref is not None:
         for i, r in enumerate(reqs):
             e.references[r.request_id] = corrupt(ref[i], 0.8, torch.Generator().manual_seed(i))
-    seqs = [e.start(r) for r in reqs]
     outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     times: list[float] = []
-    try:
-        t = time.perf_counter()
-        while seqs:
-            got = e.step_batch(seqs, None, False)
-            now = time.perf_counter()
-            if all(o is not None for o in got):
-                times.append(now - t)
-            t = now
-            keep = []
-            for s, o in zip(seqs, got, strict=True):
-                if o is not None:
-                    outs[o.request_id] += o.token_ids
-                if o is not None and o.finish_reason is not None:
-                    s.release()
-                else:
-                    keep.append(s)
-            seqs = keep
-    finally:
-        for s in seqs:
-            s.release()
+    t = time.perf_counter()
+    for pairs in e.steps_to_end([e.start(r) for r in reqs]):
+        now = time.perf_counter()
+        if all(o is not None for _, o in pairs):
+            times.append(now - t)
+        t = now
+        for _, o in pairs:
+            if o is not None:
+                outs[o.request_id] += o.token_ids
     return times, outs
 
 

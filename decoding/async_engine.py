@@ -294,11 +294,11 @@ def default_prefill_budget(engine: Engine) -> int:
 
 
 def default_burst_budget(engine: Engine, prefill_budget: int) -> int:
-    """Prompt tokens in a step with no decoding row. On a GPU one step's worth of prompts costs about
-    what the same tokens cost in ``prefill_budget`` chunks, in one weight read: on the H200's 7B
-    shape 16 prompts of 128 tokens came in 8 steps of 256 with their first tokens 46 / 74 ms (p50 /
-    max) after they were sent (bench.gpu_batch, 2026-12-03 18:44 UTC), where one step can take them
-    all (transformers' batched generate does). A CPU's step costs per token, and an abort waits for
-    the step: its burst is chunked like any prompt."""
+    """Prompt tokens in a step with no decoding row. A GPU computes many prompt tokens in one step for
+    about what they cost in chunks, less each chunk's weight read and launches: on the H200's 7B shape
+    16 prompts of 128 tokens in 8 steps of 256 gave their first tokens 46 / 74 ms (p50 / max) after
+    they were sent, and 3163 tok/s over the run; in one step 52 / 52 ms and 3385 tok/s
+    (bench.gpu_batch, 2026-12-03 18:44 and 21:31 UTC). A CPU's step costs per token, and an abort
+    waits for the step: its burst is chunked like any prompt."""
     on_gpu = any(m.device.type == "cuda" for m in engine.models.values())
     return 2048 if on_gpu else prefill_budget

@@ -10,6 +10,7 @@ the same with k = 0; a request alone is the batch of one.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -440,6 +441,23 @@ class Engine:
         finally:
             seq.release()
 
+    def steps_to_end(self, seqs: list[Sequence]) -> Iterator[list[tuple[Sequence, StepOutput | None]]]:
+        """Step ``seqs`` together (whole prompts first) until every one has finished: each step's
+        (sequence, output) pairs. A sequence is released once it finishes, and every one left when
+        the iteration stops early (warm-up, benchmarks, tests)."""
+        running = list(seqs)
+        try:
+            while running:
+                pairs = list(zip(running, self.step_batch(running), strict=True))
+                running = [s for s, o in pairs if o is None or o.finish_reason is None]
+                for s, o in pairs:
+                    if o is not None and o.finish_reason is not None:
+                        s.release()
+                yield pairs
+        finally:
+            for s in running:
+                s.release()
+
     @torch.inference_mode()
     def warm_up(self, name: str) -> int:
         """Run model ``name``'s speculative steps once before any request: two batches of two rows
@@ -467,20 +485,8 @@ class Engine:
         for batch in ([request(0, 0.0), request(1, 0.0)], [request(2, 0.0), request(3, 1.0)]):
             for r in batch:
                 self.check(r)
-            seqs = [self.start(r) for r in batch]
-            try:
-                while seqs:
-                    outs = self.step_batch(seqs)
-                    running = []
-                    for s, o in zip(seqs, outs, strict=True):
-                        if o is not None and o.finish_reason is not None:
-                            s.release()
-                        else:
-                            running.append(s)
-                    seqs = running
-            finally:
-                for s in seqs:
-                    s.release()
+            for _ in self.steps_to_end([self.start(r) for r in batch]):
+                pass
         self.costs.pop(name, None)
         for key in [k for k in self.population if k[0] == name]:
             del self.population[key]

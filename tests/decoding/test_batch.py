@@ -727,8 +727,8 @@ def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
 @pytest.mark.parametrize("name", ["tiny", "tiny-draft"])  # with its draft model; by prompt lookup
 def test_warm_up_runs_speculative_steps_then_forgets_them(tiny_models, monkeypatch, name):
     """``Engine.warm_up`` verifies drafts greedily and by rejection sampling, frees every slot, and
-    leaves no measured cost or acceptance behind: an adaptive request after it is served step for
-    step as on an engine that never warmed up."""
+    leaves no measured cost or acceptance behind: an adaptive request after it starts as on an
+    engine that never warmed up."""
     import decoding.batch as batch_mod
 
     used: list[str] = []
@@ -741,10 +741,34 @@ def test_warm_up_runs_speculative_steps_then_forgets_them(tiny_models, monkeypat
     pools = {id(m.runner_factory.__self__): m.runner_factory.__self__ for m in tiny_models.values()}
     assert all(p.free_slots == p.slots for p in pools.values())
     assert not warmed.costs and not warmed.population
+    # a new request's acceptance estimate starts where a fresh engine's does (its k choices also
+    # follow measured step times, so its steps are not compared)
     r = request(tiny_models, PROMPTS[4], "auto", adaptive=True, max_tokens=32)
     r = GenerationRequest(r.request_id, name, r.prompt_token_ids, r.params, r.spec)
+    a, b = warmed.start(r), fresh.start(r)
+    try:
+        assert (a.controller.accepted_w, a.controller.rejected_w) == (
+            b.controller.accepted_w,
+            b.controller.rejected_w,
+        )
+    finally:
+        a.release()
+        b.release()
 
-    def steps(engine):
-        return [o.token_ids for o in run_batch_outputs(engine, [r])[r.request_id]]
 
-    assert steps(warmed) == steps(fresh)
+def test_steps_to_end_releases_each_row_as_it_ends_and_the_rest_when_left(tiny_models):
+    engine = Engine(tiny_models)
+    pool = tiny_models["tiny"].runner_factory.__self__
+    reqs = [request(tiny_models, PROMPTS[i], "draft", k=2, max_tokens=3 + 5 * i) for i in range(3)]
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for pairs in engine.steps_to_end([engine.start(r) for r in reqs]):
+        for _, o in pairs:
+            if o is not None:
+                got[o.request_id] += o.token_ids
+    assert got == {r.request_id: alone(engine, r) for r in reqs}
+    assert pool.free_slots == pool.slots
+    steps = engine.steps_to_end([engine.start(r) for r in reqs])
+    next(steps)
+    assert pool.free_slots == pool.slots - len(reqs)
+    steps.close()  # left early: every row still running is released
+    assert pool.free_slots == pool.slots
