@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         # tokens a step). Untimed rehearsals of the run itself, each replaying the last one's output,
         # until one emits its reference (up to 3): the timed run's drafts then agree at 0.8 with what
         # the target emits in it. Its identity to plain decoding is still judged against ``off``.
+        # Returns the reference and the rehearsals it took (4: none of 3 emitted its reference).
         reqs = requests(N, mode)
         for n in range(1, 4):
             replay(fast, reqs, ref)

@@ -4,7 +4,7 @@ the host's share and a process's first use, as bench.gpu_batch's ``auto_fast`` r
     python -m bench.probe_spec_host [k=K ...] [N ...] [cold] [warmed]   (default k=1 k=4, N = 16 64)
 
 ``cold``: also the host functions the first speculative run spent the most time in; ``warmed``:
-``Engine.warm_up`` first, as the server runs it at load.
+``decoding.warmup.warm_up`` first, as the server runs it at load.
 
 For each N: a plain run (the replay's reference and the plain step's time), then for each k a first
 speculative run (a fresh process's first use of that shape: its first steps' times), a second run
@@ -37,6 +37,7 @@ from bench.probe_host import gaps
 from decoding.graphs import BATCH_BUCKETS, batch_bucket
 from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
 from decoding.static import StaticModel
+from decoding.warmup import warm_up
 
 
 def drive(e, reqs, ref=None):  # type: ignore[no-untyped-def]
@@ -72,7 +73,7 @@ def main() -> None:
     dm.capture(range(0), (), chunk_tokens=(128, 256, 512))
     e = replay_engine(target, draft, tm, dm, MAX_LEN, MAX_LEN)
     if "warmed" in sys.argv[1:]:  # as the server does at load
-        print(f"warm-up: {e.warm_up('target')} steps", flush=True)
+        print(f"warm-up: {warm_up(e, 'target')} steps", flush=True)
     prompts = torch.randint(0, 150000, (max(ns), PROMPT), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     ms = lambda xs: f"{1e3 * sum(xs) / max(1, len(xs)):.2f}"  # noqa: E731

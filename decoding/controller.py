@@ -177,9 +177,8 @@ class SpecController:
         a = self.acceptance if a is None else a
         t_draft = self.t_draft
         if t_draft is None and self.drafter_stops and self.t_plain is not None and self.draft_cost_prior:
-            t_draft = (
-                self.draft_cost_prior * self.t_plain
-            )  # before a pass is measured: its share of the parameters
+            # before a pass is measured: its share of the parameters
+            t_draft = self.draft_cost_prior * self.t_plain
         if t_draft is None:  # the first, measuring step: cheap if it turns out not to pay
             return (self.k_max if self.drafter_stops else min(2, self.k_max)), 0.0
         k, expected = self._model_k(a, t_draft)

@@ -33,9 +33,6 @@ from decoding.params import (
     FinishReason,
     GenerationRequest,
     RequestStats,
-    SamplingParams,
-    SpecMode,
-    SpecParams,
     StepOutput,
     TokenLogprob,
 )
@@ -431,15 +428,13 @@ class Engine:
         """Run one request to the end (CLI, benchmarks, tests)."""
         self.check(request)
         seq = self.start(request)
-        try:
-            out: list[int] = []
-            while True:
-                step = self.step(seq)
+        out: list[int] = []
+        for ((_, step),) in self.steps_to_end([seq]):
+            if step is not None:
                 out.extend(step.token_ids)
                 if step.finish_reason is not None:
                     return out, seq.stats, step.finish_reason
-        finally:
-            seq.release()
+        raise AssertionError("a sequence stepped to its end without a finish reason")
 
     def steps_to_end(self, seqs: list[Sequence]) -> Iterator[list[tuple[Sequence, StepOutput | None]]]:
         """Step ``seqs`` together (whole prompts first) until every one has finished: each step's
@@ -457,40 +452,6 @@ class Engine:
         finally:
             for s in running:
                 s.release()
-
-    @torch.inference_mode()
-    def warm_up(self, name: str) -> int:
-        """Run model ``name``'s speculative steps once before any request: two batches of two rows
-        drafting 4 (its draft model, else prompt lookup), greedy and greedy, then greedy and seeded
-        sampling, on a 16-token prompt; then forget what they measured (the batch costs go back to
-        the start-up tables, the acceptance prior to none), so that the first request is served as
-        it would be without them. Returns the steps run.
-
-        Why: CUDA graphs and the compiled layer are captured at load, but the host's verification
-        and proposal ops (argmax, cumprod, gather, the rejection sampler's) load their kernels on
-        first use. In a fresh process on the H200 (bench.probe_spec_host k=4 1 cold, 2026-12-03
-        21:26 UTC) the first speculative step took 112 ms against ~9 ms, clamp_min, sum, gather,
-        argmax and cumprod's first calls 10-30 ms each."""
-        target = self.model(name)
-        mode = SpecMode.DRAFT if target.draft else SpecMode.NGRAM
-        prompt = list(range(1, 9)) * 2  # repeats: prompt lookup proposes too
-
-        def request(i: int, temperature: float) -> GenerationRequest:
-            params = SamplingParams(max_tokens=12, temperature=temperature, seed=0, ignore_eos=True)
-            return GenerationRequest(
-                f"warm-up-{i}", name, prompt, params, SpecParams(mode, 4, adaptive=False)
-            )
-
-        steps = self.total_steps
-        for batch in ([request(0, 0.0), request(1, 0.0)], [request(2, 0.0), request(3, 1.0)]):
-            for r in batch:
-                self.check(r)
-            for _ in self.steps_to_end([self.start(r) for r in batch]):
-                pass
-        self.costs.pop(name, None)
-        for key in [k for k in self.population if k[0] == name]:
-            del self.population[key]
-        return self.total_steps - steps
 
 
 _NO_TABLE: dict[tuple[int, int], float] = {}

@@ -159,6 +159,7 @@ def _build_engine(settings: Settings) -> EngineClient:
     from decoding.engine import Engine
     from decoding.loader import ModelSpec, load_all
     from decoding.sizing import default_max_active
+    from decoding.warmup import warm_up
 
     specs = [
         ModelSpec(
@@ -181,7 +182,7 @@ def _build_engine(settings: Settings) -> EngineClient:
     engine = Engine(load_all(specs))
     for name, m in engine.models.items():
         if m.device.type == "cuda":  # kernels that load on first use, loaded before the first request
-            log.info("model %s: warmed up in %d steps", name, engine.warm_up(name))
+            log.info("model %s: warmed up in %d steps", name, warm_up(engine, name))
     return AsyncEngine(engine, max_active=max_active, max_queued=settings.limits.max_queued)
 
 

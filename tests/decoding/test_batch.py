@@ -15,6 +15,7 @@ from decoding.engine import Engine
 from decoding.params import FinishReason, GenerationRequest, SamplingParams, SpecMode, SpecParams, StepOutput
 from decoding.runner import Row, forward_many
 from decoding.static import StaticModel
+from decoding.warmup import warm_up
 
 PROMPTS = [
     "hello wörld, write a poem",
@@ -726,7 +727,7 @@ def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-draft"])  # with its draft model; by prompt lookup
 def test_warm_up_runs_speculative_steps_then_forgets_them(tiny_models, monkeypatch, name):
-    """``Engine.warm_up`` verifies drafts greedily and by rejection sampling, frees every slot, and
+    """``decoding.warmup.warm_up`` verifies drafts greedily and by rejection sampling, frees every slot, and
     leaves no measured cost or acceptance behind: an adaptive request after it starts as on an
     engine that never warmed up."""
     import decoding.batch as batch_mod
@@ -736,7 +737,7 @@ def test_warm_up_runs_speculative_steps_then_forgets_them(tiny_models, monkeypat
         real = getattr(batch_mod, fn)
         monkeypatch.setattr(batch_mod, fn, lambda *a, _f=real, _n=fn, **k: used.append(_n) or _f(*a, **k))
     warmed, fresh = Engine(tiny_models), Engine(tiny_models)
-    assert warmed.warm_up(name) > 0
+    assert warm_up(warmed, name) > 0
     assert {"verify_greedy_batch", "verify_sampling"} <= set(used)
     pools = {id(m.runner_factory.__self__): m.runner_factory.__self__ for m in tiny_models.values()}
     assert all(p.free_slots == p.slots for p in pools.values())
