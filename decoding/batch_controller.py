@@ -10,13 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from decoding.controller import MIN_LEFT_TO_PROBE, SpecController
+from decoding.controller import CATCH_UP_HORIZON, MIN_LEFT_TO_PROBE, SpecController
 from decoding.costs import OUTLIER, StepCosts, lookup, pow2_bucket
-
-# The most tokens a row is counted on to emit when a draft's catch-up is weighed against what
-# speculation would gain over them (BatchCosts.best_k): a request's max_tokens is an upper bound,
-# often the context's, and most answers end well before it.
-CATCH_UP_HORIZON = 256
 
 
 @dataclass
@@ -157,16 +152,21 @@ class BatchCosts(StepCosts):
         probe: bool,
         backlog: int = 0,
         left: int = 0,
+        catch_up_prior: float = 0.0,
     ) -> int:
         """rows: (acceptance estimate, drafts with a model, the most it may draft) per adaptive row.
         With nothing measured yet, the step is plain (it measures what speculation must beat); when
         no k pays, 0, except on a probe turn, which drafts 2 to refresh the estimates.
 
         ``backlog``: tokens the rows' drafts have not seen (a prompt, plain steps' tokens), which the
-        first speculative step catches up on; ``left``: tokens the rows may still emit. Where the
-        catch-up's cost is known (``catch_up_token``), a k pays only if it repays that cost over
-        what is left: at N = 64 on the H200 k = 1 gains ~4% a step, and catching up on 64 prompts
-        cost ~40 ms, more than the whole run's gain."""
+        first speculative step catches up on; ``left``: tokens the rows may still emit. A k pays
+        only if it repays the catch-up's cost over what is left: at N = 64 on the H200 k = 1 gains
+        ~4% a step, and catching up on 64 prompts cost ~40 ms, more than the whole run's gain. The
+        cost a token is ``catch_up_token`` (the start-up table's, then measured), else
+        ``catch_up_prior`` (seconds a token: ``catch_up_estimate``). Without it a CPU, which has no
+        start-up table, judged its first speculative step as if the catch-up were free: with AVX2
+        kernels 4 rows took a k = 1 step that caught 498 prompt tokens up in 12.5 s, where the whole
+        plain run took 71 s, and never drafted again (bench.probe_cpu_auto)."""
         B = len(rows)
         k_max = max((k for _, _, k in rows), default=0)
         t_plain = self.t_plain(B)
@@ -179,7 +179,7 @@ class BatchCosts(StepCosts):
         verify = self.verifications(B)  # t_target's table for this batch, looked up at each width
         realised = self.realised
         discount = min(1.0, realised) if realised is not None else 1.0
-        catch_up = backlog * (self.catch_up_token or 0.0) if model else 0.0
+        catch_up = backlog * (self.catch_up_token or catch_up_prior) if model else 0.0
         if probe and catch_up and left:  # a probe's cost, known: what it catches up, and its wider step
             extra = (lookup(verify, B * 3) or t_plain) - t_plain + 2 * t_draft
             probe = catch_up + extra <= self.probe_share * left * t_plain / B
@@ -224,6 +224,23 @@ class BatchCosts(StepCosts):
         if not self.off:
             self.off, self.off_steps = True, 0
         return min(2, k_max) if probe else 0
+
+
+def catch_up_estimate(rows: list[KRow]) -> float:
+    """Seconds a token of a draft's catch-up, before one is measured: the target's prefill a token
+    (each row's own, measured as its prompt went in) times the draft's share of its parameters. A
+    catch-up is a prompt chunk through the draft, and a chunk's cost is its compute: in bf16 with
+    AVX2 kernels (an AVX512 EPYC run with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``) the
+    1.5B prefilled at ~86 ms a token and the 0.5B caught up at 24, where its parameters give ~28
+    (bench.probe_cpu_auto). The dearest row's; 0 where no row has both."""
+    return max(
+        (
+            r.controller.prefill_per_token * r.controller.draft_cost_prior
+            for r in rows
+            if r.model and r.controller.prefill_per_token is not None
+        ),
+        default=0.0,
+    )
 
 
 class KRow(NamedTuple):
@@ -272,6 +289,7 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
                 probe=probe,
                 backlog=backlog,
                 left=sum(min(r.left, CATCH_UP_HORIZON) for r in sharing),
+                catch_up_prior=catch_up_estimate(sharing),
             )
     ks = []
     for r, on, f in zip(rows, shared, first, strict=True):
@@ -280,6 +298,7 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
         elif on:
             k = min(k_shared, r.controller.k_max)
         else:
-            k = r.controller.choose_k(r.left)
+            catch_up = r.backlog * (costs.catch_up_token or catch_up_estimate([r])) if r.model else 0.0
+            k = r.controller.choose_k(r.left, catch_up)
         ks.append(max(0, min(k, r.left - 1)))
     return ks

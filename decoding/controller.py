@@ -22,6 +22,11 @@ from decoding.costs import ema, fold_sample
 # one probe came 8 steps before its rows ended.
 MIN_LEFT_TO_PROBE = 32
 
+# The most tokens a row is counted on to emit when a draft's catch-up is weighed against what
+# speculation would gain over them (SpecController.repays, BatchCosts.best_k): a request's max_tokens
+# is an upper bound, often the context's, and most answers end well before it.
+CATCH_UP_HORIZON = 256
+
 
 def expected_tokens(a: float, k: int) -> float:
     if a >= 1.0:
@@ -68,8 +73,9 @@ class SpecController:
     def acceptance(self) -> float:
         return self.accepted_w / (self.accepted_w + self.rejected_w)
 
-    def choose_k(self, left: int | None = None) -> int:
-        """0 means a plain step; ``left``: tokens the request may still emit (None: unknown)."""
+    def choose_k(self, left: int | None = None, catch_up: float = 0.0) -> int:
+        """0 means a plain step; ``left``: tokens the request may still emit (None: unknown);
+        ``catch_up``: seconds its draft would first spend catching up on tokens it has not seen."""
         self.steps += 1
         if not self.speculate:
             return 0
@@ -79,14 +85,17 @@ class SpecController:
             return 0  # the first step is plain: it measures what speculation must beat
         if self.hopeless():
             return 0
+        unpaid = not self.repays(catch_up, left)
         if self.switched_off:
             near_end = left is not None and left < MIN_LEFT_TO_PROBE
-            if self.off_steps < self.probe_every or near_end or self.hopeless():
+            if self.off_steps < self.probe_every or near_end or unpaid or self.hopeless():
                 self.off_steps += 1
                 return 0
             self.switched_off, self.off_steps = False, 0
             self.probing = True
             return self._best_k()[0]  # probe: measure speculation again
+        if unpaid:
+            return 0
         k, rate = self._best_k()
         if self.steps % self._remeasure_period(rate) == 0:
             return 0  # refresh the plain-step time: one noisy sample must not keep speculation on
@@ -122,6 +131,26 @@ class SpecController:
         before any verification ran (flat where matrix units batch tokens, a whole step where not)."""
         if tokens >= 8:
             self.prefill_per_token = seconds / tokens
+
+    def repays(self, catch_up: float, left: int | None) -> bool:
+        """Whether speculating over the tokens ``left`` (up to CATCH_UP_HORIZON; None: unknown, yes)
+        could repay ``catch_up`` seconds of the draft's catch-up first, judged as ``hopeless`` is:
+        with every draft accepted once a draft pass is measured, before that at the prior acceptance
+        and the draft's share of the parameters. (Optimistic, so that a probe, which measures, is
+        not refused for an estimate it would correct.) A request whose draft had not seen its
+        prompt, or the tokens a batch decoded plainly, paid the catch-up blind: with AVX2 kernels on
+        a CPU the last row of a batch drafted 1 with 3 tokens left and caught 298 tokens up for 2.9
+        s (bench.probe_cpu_auto)."""
+        if catch_up <= 0 or left is None or self.t_plain is None:
+            return True
+        if self.t_draft is not None:
+            rate = self._model_k(1.0, self.t_draft)[1]
+        elif self.draft_cost_prior:
+            rate = self._model_k(self.prior_acceptance, self.draft_cost_prior * self.t_plain)[1]
+        else:
+            return True
+        n = min(left, CATCH_UP_HORIZON)
+        return n / rate + catch_up < n * self.t_plain
 
     def _t_verify(self, k: int) -> float | None:
         """Measured, or interpolated on the line through the plain step (k = 0) and the nearest

@@ -470,6 +470,47 @@ def test_a_batch_speculates_only_where_the_gain_repays_its_drafts_catch_up():
     assert costs.best_k(lookup, 0.07, probe=False, backlog=64 * 128, left=64 * 16) == 1
 
 
+def _cpu_row(left: int, backlog: int, emitted: int = 5) -> KRow:
+    """A row on a CPU without a start-up table: its plain step and its prompt's prefill measured, its
+    draft a third of the target's parameters, no draft pass measured yet."""
+    c = SpecController(k_max=4, draft_cost_prior=0.32)
+    c.observe(0, 0, 0.0, 0.35)  # a 1-row plain step: 350 ms
+    c.observe_prefill(250, 250 * 0.086)  # 86 ms a prompt token
+    return KRow(c, True, True, emitted, left, backlog)
+
+
+def test_a_catch_up_nothing_has_measured_is_priced_from_the_targets_prefill():
+    """Without a start-up table (a CPU) a draft's catch-up is costed, until one is measured, at the
+    target's measured prefill a token times the draft's share of the parameters. With AVX2 kernels 4
+    rows caught 498 prompt tokens up in 12.5 s for a k = 1 step, in a 71 s run that stayed plain after
+    it; priced, a batch with ~40 tokens a row left stays plain, and one with 256 a row and a small
+    backlog drafts. Alone, the same: the last row of a batch with a few tokens left and hundreds of
+    tokens its draft has not seen decodes plainly; with the catch-up done, it drafts."""
+    costs = BatchCosts()
+    costs.observe(4, 4, 0, 0.0, 0.667)  # a 4-row plain step
+    costs.observe(4, 4, 0, 0.0, 0.667)
+    rows = [_cpu_row(42, backlog) for backlog in (55, 52, 140, 255)]
+    assert choose_ks(rows, costs) == [0, 0, 0, 0]
+    assert costs.catch_up_token is None  # nothing measured: the estimate, not a guess of 0
+    assert min(choose_ks([r._replace(left=400, backlog=8) for r in rows], costs)) > 0
+    ending = _cpu_row(4, 298)
+    assert choose_ks([ending], costs) == [0]
+    assert choose_ks([_cpu_row(200, 298)], costs)[0] > 0
+    assert choose_ks([ending._replace(backlog=0)], costs)[0] > 0
+
+
+def test_a_request_off_still_probes_with_a_catch_up_to_pay():
+    """The catch-up check is optimistic (every draft accepted once a pass is measured), so a request
+    whose goodput check switched speculation off still probes: its plain steps leave its draft a
+    backlog, and an estimate from rejected drafts would otherwise refuse every probe."""
+    c = SpecController(k_max=4, probe_every=4, min_probe_every=4)
+    drive(c, 30, accept_all=False, t_draft=0.02, t_target=0.1)
+    c.switched_off, c.off_steps, c.probing, c.probe_every = True, 0, False, 4
+    assert c.acceptance < 0.2 and any(c.choose_k(200, catch_up=0.05) for _ in range(6))
+    c.switched_off, c.off_steps, c.probing, c.probe_every = True, 0, False, 4
+    assert not any(c.choose_k(40, catch_up=5.0) for _ in range(6))  # too few tokens left to repay it
+
+
 def test_a_seeded_verification_is_costed_with_the_hosts_share_of_a_step():
     """A replay's device time misses the host's work, which plain steps queued ahead hide and a
     speculative step waits for: a seeded verification counts a plain step's host time until a
