@@ -183,7 +183,8 @@ def _build_engine(settings: Settings) -> EngineClient:
     for name, m in engine.models.items():
         if m.device.type == "cuda":  # kernels that load on first use, loaded before the first request
             log.info("model %s: warmed up in %d steps", name, warm_up(engine, name))
-    return AsyncEngine(engine, max_active=max_active, max_queued=settings.limits.max_queued)
+    limits = settings.limits
+    return AsyncEngine(engine, max_active, limits.max_queued, limits.prefill_budget, limits.burst_budget)
 
 
 def serve(config: str | None = None, host: str | None = None, port: int | None = None, **flags: Any) -> int:

@@ -91,6 +91,13 @@ class LimitSettings(_Section):
     # free memory, up to 64 (decoding.sizing.default_max_active, logged at start)
     max_active: int | None = Field(default=None, ge=1)
     max_queued: int = Field(default=32, ge=0)  # beyond this, 503 with Retry-After
+    # prompt tokens a step prefills beside the decoding requests (vLLM's max_num_batched_tokens less
+    # the decode rows): a long prompt enters in chunks of this many, so the streams running beside
+    # it wait at most one chunk a token; None: 128 on a GPU, 64 on a CPU
+    prefill_budget: int | None = Field(default=None, ge=1)
+    # ... and in a step with no request decoding (a burst reaching an idle server); None: 2048 on a
+    # GPU, prefill_budget on a CPU (an abort waits for the step it arrives in)
+    burst_budget: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=1, ge=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 

@@ -45,6 +45,7 @@ def test_api_keys_from_env_and_json_lists() -> None:
         ({"SPECGATE_SERVER__PORT": "70000"}, "server.port"),
         ({"SPECGATE_STREAM_GRANULARITY": "word"}, "stream_granularity"),
         ({"SPECGATE_LIMITS__MAX_NN": "3"}, "limits.max_nn"),
+        ({"SPECGATE_LIMITS__PREFILL_BUDGET": "0"}, "limits.prefill_budget"),
         ({"SPECGATE_MODELS": '[{"name": "a", "source": "s", "draft": "b"}]'}, "draft 'b'"),
     ],
 )
@@ -58,3 +59,22 @@ def test_bad_yaml(tmp_path: Path) -> None:
     cfg.write_text("- just\n- a list\n")
     with pytest.raises(SettingsError, match="mapping"):
         load_settings(cfg, env={})
+
+
+def test_the_step_budgets_reach_the_engine() -> None:
+    """limits.prefill_budget and limits.burst_budget set the engine's prompt tokens a step (beside
+    decoding requests, and with none); unset, the device's defaults (a CPU's burst is its chunk)."""
+    from gateway.server import _build_engine
+
+    models = '[{"name": "t", "source": "tiny-random", "dtype": "float32", "device": "cpu"}]'
+    set_ = {
+        "SPECGATE_MODELS": models,
+        "SPECGATE_LIMITS__PREFILL_BUDGET": "24",
+        "SPECGATE_LIMITS__BURST_BUDGET": "96",
+    }
+    for env, budgets in (({"SPECGATE_MODELS": models}, (64, 64)), (set_, (24, 96))):
+        engine = _build_engine(load_settings(env=env))
+        try:
+            assert (engine.prefill_budget, engine.burst_budget) == budgets  # type: ignore[attr-defined]
+        finally:
+            engine.shutdown()  # type: ignore[attr-defined]
