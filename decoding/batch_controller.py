@@ -226,6 +226,20 @@ class BatchCosts(StepCosts):
         return min(2, k_max) if probe else 0
 
 
+def acceptance(row: KRow, costs: BatchCosts) -> float:
+    """The acceptance a row's k is chosen by: its estimate, but before any draft model has drafted
+    for this target (no draft pass or catch-up measured, none in a start-up table: every such row's
+    estimate is then the default prior, a = 0.5) at least its controller's optimistic prior, as a
+    request alone is judged before it drafts (``SpecController.hopeless``, ``repays``). The first
+    try then pays its catch-up where speculation could repay it: on a 2-core AVX512-BF16 EPYC, 4
+    fresh requests judged at 0.5 never drafted (0.92x off), where drafting gains ~1.2x
+    (bench.probe_cpu_auto)."""
+    a = row.controller.acceptance
+    if row.model and costs.catch_up_token is None and not costs.draft:
+        return max(a, row.controller.prior_acceptance)
+    return a
+
+
 def catch_up_estimate(rows: list[KRow]) -> float:
     """Seconds a token of a draft's catch-up, before one is measured: the target's prefill a token
     (each row's own, measured as its prompt went in) times the draft's share of its parameters. A
@@ -284,7 +298,7 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
         probe = costs.probe_turn(sum(r.model for r in sharing))
         if not costs.off or sum(r.left for r in sharing) >= MIN_LEFT_TO_PROBE * len(sharing):
             k_shared = costs.best_k(
-                [(r.controller.acceptance, r.model, r.controller.k_max) for r in sharing],
+                [(acceptance(r, costs), r.model, r.controller.k_max) for r in sharing],
                 max(r.controller.draft_cost_prior for r in sharing),
                 probe=probe,
                 backlog=backlog,
