@@ -226,18 +226,16 @@ class BatchCosts(StepCosts):
         return min(2, k_max) if probe else 0
 
 
-def acceptance(row: KRow, costs: BatchCosts) -> float:
-    """The acceptance a row's k is chosen by: its estimate, but before any draft model has drafted
-    for this target (no draft pass or catch-up measured, none in a start-up table: every such row's
-    estimate is then the default prior, a = 0.5) at least its controller's optimistic prior, as a
-    request alone is judged before it drafts (``SpecController.hopeless``, ``repays``). The first
-    try then pays its catch-up where speculation could repay it: on a 2-core AVX512-BF16 EPYC, 4
-    fresh requests judged at 0.5 never drafted (0.92x off), where drafting gains ~1.2x
-    (bench.probe_cpu_auto)."""
+def acceptance(row: KRow, untried: bool) -> float:
+    """The acceptance a row's k is chosen by: its estimate, but where no draft model has drafted for
+    this target yet (``untried``: no draft pass or catch-up measured, none in a start-up table;
+    every such row's estimate is then the default prior, a = 0.5) at least its controller's
+    optimistic prior, as a request alone is judged before it drafts (``SpecController.hopeless``,
+    ``repays``). The first try then pays its catch-up where speculation could repay it: on a 2-core
+    AVX512-BF16 EPYC, 4 fresh requests judged at 0.5 never drafted (0.92x off), where drafting
+    gains ~1.2x (bench.probe_cpu_auto)."""
     a = row.controller.acceptance
-    if row.model and costs.catch_up_token is None and not costs.draft:
-        return max(a, row.controller.prior_acceptance)
-    return a
+    return max(a, row.controller.prior_acceptance) if untried and row.model else a
 
 
 def catch_up_estimate(rows: list[KRow]) -> float:
@@ -297,13 +295,15 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     if sharing and not waits:
         probe = costs.probe_turn(sum(r.model for r in sharing))
         if not costs.off or sum(r.left for r in sharing) >= MIN_LEFT_TO_PROBE * len(sharing):
+            priced = costs.catch_up_token is not None
+            untried = not priced and not costs.draft
             k_shared = costs.best_k(
-                [(acceptance(r, costs), r.model, r.controller.k_max) for r in sharing],
+                [(acceptance(r, untried), r.model, r.controller.k_max) for r in sharing],
                 max(r.controller.draft_cost_prior for r in sharing),
                 probe=probe,
                 backlog=backlog,
                 left=sum(min(r.left, CATCH_UP_HORIZON) for r in sharing),
-                catch_up_prior=catch_up_estimate(sharing),
+                catch_up_prior=0.0 if priced else catch_up_estimate(sharing),
             )
     ks = []
     for r, on, f in zip(rows, shared, first, strict=True):
@@ -312,7 +312,9 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
         elif on:
             k = min(k_shared, r.controller.k_max)
         else:
-            catch_up = r.backlog * (costs.catch_up_token or catch_up_estimate([r])) if r.model else 0.0
+            catch_up = (
+                r.backlog * (costs.catch_up_token or catch_up_estimate([r])) if r.model and r.backlog else 0.0
+            )
             k = r.controller.choose_k(r.left, catch_up)
         ks.append(max(0, min(k, r.left - 1)))
     return ks
