@@ -74,19 +74,56 @@ class _Target:
     name: str = "target"
 
 
+@dataclass
+class _Model:
+    """A runner's model as ``Engine.costs_of`` reads it: its start-up step table (seconds by
+    (batch, width); (0, W): a W-token prompt chunk alone), as ``StaticModel.time_steps`` gives it."""
+
+    step_costs: dict[tuple[int, int], float]
+
+
+@dataclass
+class _Runner:
+    batch_model: _Model
+    length: int = 0  # tokens in the cache
+
+
+# The start-up tables the engine seeds its cost model from, for the table above: a target step of B
+# rows costs the same at every width (exact mode pads each row to 9), a draft pass its row's cost,
+# and a draft's 512-token prompt chunk a catch-up pass.
+TARGET_TABLE = _Model({(B, W): t for B, t in H200_TARGET_EXACT.items() for W in range(1, 10)})
+DRAFT_TABLE = _Model({(B, 1): t for B, t in H200_DRAFT.items()} | {(0, CATCH_UP_PASS): DRAFT_PREFILL_S})
+
+
+class _Draft(DraftModelDrafter):
+    """A row's draft as the engine reads it (its type, its cache length); it drafts nothing itself."""
+
+    def __init__(self) -> None:  # no model: the simulation decides what is accepted
+        self.inline = self.INLINE_GPU
+        self.runner = _Runner(DRAFT_TABLE)
+
+
 @dataclass(eq=False)
 class _Seq:
-    """What ``Engine.ks_for`` reads of a sequence, and the draft's cache length."""
+    """What ``Engine.ks_for`` reads of a sequence."""
 
     controller: SpecController
-    drafter: object
+    drafter: _Draft | None
     request: _Request
     keep: list[bool]  # [new + 16] whether the draft's token at each output position is accepted
     target: _Target = field(default_factory=_Target)
+    runner: _Runner = field(default_factory=lambda: _Runner(TARGET_TABLE))
     completion_tokens: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
-    draft_seen: int = 0  # tokens in the draft's cache
     gaps: list[float] = field(default_factory=list)  # per token, as bench.gpu_batch counts them
+
+    @property
+    def tokens(self) -> range:  # the prompt and the output so far (only their count is read)
+        return range(PROMPT + self.completion_tokens)
+
+    @property
+    def draft_seen(self) -> int:  # tokens in the draft's cache
+        return self.drafter.runner.length if self.drafter is not None else 0
 
 
 @dataclass
@@ -120,7 +157,6 @@ def simulate(
                 end += 1
         return [i < end and rng.random() < a for i in range(new + 16)]
 
-    drafter = DraftModelDrafter.__new__(DraftModelDrafter)  # the type is what the engine checks
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     seqs = [
         _Seq(
@@ -130,7 +166,7 @@ def simulate(
                 speculate=mode != "off",
                 draft_cost_prior=0.07,
             ),
-            drafter if mode != "off" else None,
+            _Draft() if mode != "off" else None,
             _Request(params),
             keep(),
         )
@@ -165,7 +201,7 @@ def simulate(
             while n < k and s.keep[s.completion_tokens + n]:
                 n += 1
             ns.append(n)
-        costs = engine._costs(seqs[0])  # type: ignore[arg-type]
+        costs = engine.costs_of(seqs[0])  # type: ignore[arg-type]
         if K:  # the engine's wall time of a speculative step: its host work, less the catch-up
             expected = sum(expected_tokens(s.controller.acceptance, k) for s, k in zip(seqs, ks, strict=True))
             costs.observe_goodput(B, K, True, expected, sum(n + 1 for n in ns), HOST_S + t_draft + t_target)
@@ -176,8 +212,8 @@ def simulate(
             s.controller.observe(k, n, t_draft * k / K if k else 0.0, t_target)
             if s.drafter is not None:
                 engine._population(s).observe(k, n)  # type: ignore[arg-type]
-            if k:  # the draft's cache, cut back to the accepted drafts (it never fed its last one)
-                s.draft_seen = PROMPT + s.completion_tokens + min(n, k - 1)
+            if k and s.drafter is not None:  # the draft's cache, cut back to the accepted drafts
+                s.drafter.runner.length = PROMPT + s.completion_tokens + min(n, k - 1)  # (not its last)
             got = min(n + 1, new - s.completion_tokens)
             s.completion_tokens += got
             s.gaps += [step / got] * got
