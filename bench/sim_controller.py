@@ -77,9 +77,12 @@ class _Target:
 @dataclass
 class _Model:
     """A runner's model as ``Engine.costs_of`` reads it: its start-up step table (seconds by
-    (batch, width); (0, W): a W-token prompt chunk alone), as ``StaticModel.time_steps`` gives it."""
+    (batch, width); (0, W): a W-token prompt chunk alone), as ``StaticModel.time_steps`` gives it,
+    and whether every row runs at one width (exact mode, ``max_graph_tokens``)."""
 
     step_costs: dict[tuple[int, int], float]
+    exact: bool = False
+    max_graph_tokens: int = 9
 
 
 @dataclass
@@ -87,11 +90,15 @@ class _Runner:
     batch_model: _Model
     length: int = 0  # tokens in the cache
 
+    @property
+    def exact(self) -> bool:
+        return self.batch_model.exact
+
 
 # The start-up tables the engine seeds its cost model from, for the table above: a target step of B
 # rows costs the same at every width (exact mode pads each row to 9), a draft pass its row's cost,
 # and a draft's 512-token prompt chunk a catch-up pass.
-TARGET_TABLE = _Model({(B, W): t for B, t in H200_TARGET_EXACT.items() for W in range(1, 10)})
+TARGET_TABLE = _Model({(B, W): t for B, t in H200_TARGET_EXACT.items() for W in range(1, 10)}, exact=True)
 DRAFT_TABLE = _Model({(B, 1): t for B, t in H200_DRAFT.items()} | {(0, CATCH_UP_PASS): DRAFT_PREFILL_S})
 
 

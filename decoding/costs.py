@@ -71,6 +71,9 @@ class StepCosts:
     seed_gap: dict[int, float] = field(default_factory=dict)
     # the tables seeded from, held (not their ids, which a new table could reuse): one timed again reseeds
     seeded_from: tuple[object, object] = (None, None)
+    # exact mode's width (0: none): every step runs each row at this many tokens, so a step's cost
+    # is its batch's whatever its k (``verifications``)
+    padded_width: int = 0
 
     def seed(self, target: dict[tuple[int, int], float], draft: dict[tuple[int, int], float] | None) -> None:
         """Start from the target's and the draft's step tables (``StaticModel.time_steps``: device
@@ -181,12 +184,31 @@ class StepCosts:
     def verifications(self, batch: int | None = None) -> dict[int, float]:
         """``t_target``'s table for ``batch``: seconds by target-rows bucket, to look up (``lookup``)
         several widths in, as ``best_k`` does every step, built once."""
+        if self.padded_width and batch:
+            return self._padded_verifications(batch)
         points = dict(self.plain)
         host = self.host_share(batch) if batch else 0.0
         seeded = {b: t + host for b, t in self.seed_target.items()}
         for b, t in (seeded | self.measured(batch)).items():  # measured over seeded
             points[b] = max(t, points.get(b, t))
         return points
+
+    def _padded_verifications(self, batch: int) -> dict[int, float]:
+        """``verifications`` where every row runs at ``padded_width`` (exact mode): a verification of
+        ``batch`` rows computes what the batch's plain step does at any k, so it costs that step,
+        with the host's share a speculative step waits for, where no verification of its shape was
+        measured. By target rows alone, as outside exact mode, a plain step of 2B rows (2B rows x
+        the width) priced a B-row k = 1 verification: 9.5 ms against 5.9 at 16 rows on the H200's
+        exact table, once a server had captured and timed its 32-row graphs, so exact auto stayed
+        plain at N = 16 there (bench.sim_controller: 0.99x; 1.6x priced by batch). The benchmark's
+        runs capture only the buckets up to their N and did not show it."""
+        t = self.t_plain(batch)
+        if t is None:
+            return {}
+        base = t + self.host_share(batch)
+        measured = self.measured(batch)
+        rows = {pow2_bucket(batch * w) for w in range(2, self.padded_width + 1)}
+        return {r: max(t, measured.get(r, base)) for r in rows}
 
     def host_share(self, batch: int) -> float:
         """What a seeded verification of ``batch`` rows takes beyond its replay (``t_target``): this

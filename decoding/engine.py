@@ -375,6 +375,7 @@ class Engine:
         if costs is None:
             costs = self.costs[seq.target.name] = BatchCosts()
         costs.seed(*_step_tables(seq))  # once per table
+        costs.padded_width = _padded_width(seq)
         return costs
 
     def _population(self, seq: Sequence) -> Population:
@@ -455,6 +456,16 @@ class Engine:
 
 
 _NO_TABLE: dict[tuple[int, int], float] = {}
+
+
+def _padded_width(seq: Sequence) -> int:
+    """The width every row of ``seq``'s target steps runs at (a static model's exact mode,
+    ``StaticModel.step_shape``), 0 where a step's width is its widest row's."""
+    runner = seq.runner
+    model = getattr(runner, "batch_model", None)
+    if getattr(runner, "exact", False) and getattr(model, "exact", False):
+        return int(model.max_graph_tokens)  # type: ignore[union-attr]
+    return 0
 
 
 def _step_tables(seq: Sequence) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float] | None]:

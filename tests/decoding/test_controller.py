@@ -685,3 +685,33 @@ def test_best_k_sums_every_rows_expected_tokens_up_to_its_own_cap():
                 best = k
         costs.off = False  # no hysteresis from the case before
         assert costs.best_k(rows, 0.07, probe=False) == best
+
+
+def test_exact_mode_prices_a_verification_as_its_batchs_plain_step():
+    """Exact mode runs every row at one width, so a verification costs what its batch's plain step
+    does at any k. By target rows alone, once a server had timed its 32-row graphs, a 16-row k = 1
+    verification was priced as the 32-row plain step (9.5 ms against 5.9 on the H200's exact table)
+    and exact auto stayed plain at 16 rows."""
+    exact = {1: 5.04e-3, 4: 5.2e-3, 16: 5.9e-3, 32: 9.5e-3, 64: 16.0e-3}
+    table = {(B, W): t for B, t in exact.items() for W in range(1, 10)}
+    rows = [(0.8, True, 8)] * 16
+    by_rows, padded = BatchCosts(), BatchCosts(padded_width=9)
+    for c in (by_rows, padded):
+        c.seed(table, {(16, 1): 1.45e-3, (0, 512): 2.5e-3})
+    assert by_rows.t_target(32, 16) == pytest.approx(9.5e-3)
+    assert padded.t_target(32, 16) == pytest.approx(5.9e-3) == padded.t_target(144, 16)
+    assert by_rows.best_k(rows, 0.07, probe=False) == 0
+    assert padded.best_k(rows, 0.07, probe=False) >= 3
+    padded.observe(16, 48, 2, 0.003, 0.0071)  # a measured verification of its shape stands
+    assert padded.t_target(48, 16) == pytest.approx(0.0071)
+
+
+def test_the_padded_width_is_exact_modes_on_a_static_model_only():
+    from types import SimpleNamespace as NS
+
+    from decoding.engine import _padded_width
+
+    static = NS(exact=True, max_graph_tokens=9)
+    assert _padded_width(NS(runner=NS(exact=True, batch_model=static))) == 9  # type: ignore[arg-type]
+    assert _padded_width(NS(runner=NS(exact=False, batch_model=static))) == 0  # type: ignore[arg-type]
+    assert _padded_width(NS(runner=NS(exact=True, batch_model=NS(exact_step=3)))) == 0  # type: ignore[arg-type]
