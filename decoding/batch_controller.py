@@ -238,6 +238,12 @@ def acceptance(row: KRow, untried: bool) -> float:
     return max(a, row.controller.prior_acceptance) if untried and row.model else a
 
 
+def catch_up_cost(costs: BatchCosts, rows: list[KRow]) -> float:
+    """Seconds a token of the rows' drafts' catch-up: the start-up table's or measured
+    (``catch_up_token``), else ``catch_up_estimate``'s."""
+    return costs.catch_up_token or catch_up_estimate(rows)
+
+
 def catch_up_estimate(rows: list[KRow]) -> float:
     """Seconds a token of a draft's catch-up, before one is measured: the target's prefill a token
     (each row's own, measured as its prompt went in) times the draft's share of its parameters. A
@@ -295,15 +301,14 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
     if sharing and not waits:
         probe = costs.probe_turn(sum(r.model for r in sharing))
         if not costs.off or sum(r.left for r in sharing) >= MIN_LEFT_TO_PROBE * len(sharing):
-            priced = costs.catch_up_token is not None
-            untried = not priced and not costs.draft
+            untried = costs.catch_up_token is None and not costs.draft
             k_shared = costs.best_k(
                 [(acceptance(r, untried), r.model, r.controller.k_max) for r in sharing],
                 max(r.controller.draft_cost_prior for r in sharing),
                 probe=probe,
                 backlog=backlog,
                 left=sum(min(r.left, CATCH_UP_HORIZON) for r in sharing),
-                catch_up_prior=0.0 if priced else catch_up_estimate(sharing),
+                catch_up_prior=catch_up_cost(costs, sharing),
             )
     ks = []
     for r, on, f in zip(rows, shared, first, strict=True):
@@ -312,9 +317,7 @@ def choose_ks(rows: list[KRow], costs: BatchCosts) -> list[int]:
         elif on:
             k = min(k_shared, r.controller.k_max)
         else:
-            catch_up = (
-                r.backlog * (costs.catch_up_token or catch_up_estimate([r])) if r.model and r.backlog else 0.0
-            )
+            catch_up = r.backlog * catch_up_cost(costs, [r]) if r.model and r.backlog else 0.0
             k = r.controller.choose_k(r.left, catch_up)
         ks.append(max(0, min(k, r.left - 1)))
     return ks

@@ -85,16 +85,20 @@ class SpecController:
             return 0  # the first step is plain: it measures what speculation must beat
         if self.hopeless():
             return 0
-        unpaid = not self.repays(catch_up, left)
         if self.switched_off:
             near_end = left is not None and left < MIN_LEFT_TO_PROBE
-            if self.off_steps < self.probe_every or near_end or unpaid or self.hopeless():
+            if (
+                self.off_steps < self.probe_every
+                or near_end
+                or not self.repays(catch_up, left)
+                or self.hopeless()
+            ):
                 self.off_steps += 1
                 return 0
             self.switched_off, self.off_steps = False, 0
             self.probing = True
             return self._best_k()[0]  # probe: measure speculation again
-        if unpaid:
+        if not self.repays(catch_up, left):
             return 0
         k, rate = self._best_k()
         if self.steps % self._remeasure_period(rate) == 0:

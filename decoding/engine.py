@@ -373,9 +373,8 @@ class Engine:
         """The batch cost model of ``seq``'s target, seeded from the start-up tables."""
         costs = self.costs.get(seq.target.name)
         if costs is None:
-            costs = self.costs[seq.target.name] = BatchCosts()
+            costs = self.costs[seq.target.name] = BatchCosts(padded_width=_padded_width(seq))
         costs.seed(*_step_tables(seq))  # once per table
-        costs.padded_width = _padded_width(seq)
         return costs
 
     def _population(self, seq: Sequence) -> Population:
