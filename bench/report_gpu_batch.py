@@ -109,6 +109,17 @@ def render(path: str) -> None:
         "from untimed rehearsals each replaying the last one's output until one emits its reference (`rehearsals`), "
         "so that a bf16 tie does not leave the drafts proposing a continuation the target no longer follows; its "
         "identity is still judged against fast `off`. "
+        + (
+            f"Each engine mode: the median of {R['repeats']} timed runs at each N (every run's outputs checked). "
+            if R.get("repeats", 1) > 1
+            else ""
+        )
+        + (
+            f"Serving capture: every batch bucket up to {R['serving']} rows captured and timed before the first "
+            "N, as a server's load does. "
+            if R.get("serving")
+            else ""
+        )
         + ("transformers: the best of 3 timed runs at each N. " if R.get("transformers_runs") else "")
         + "Roofline: copy bandwidth / (weights + each row's KV bytes at the mean context) per step.",
         "",
