@@ -194,8 +194,8 @@ class QueuedStep:
             n_before = len(s.tokens)
             if kk:  # a plain step leaves nothing to cut, and steps queued after it must keep their token
                 s.runner.crop(n_before + n)
-            if s.drafter is not None:
-                s.drafter.rollback(n_before + n)
+                if s.drafter is not None:  # nor its draft (which took nothing past the row's tokens)
+                    s.drafter.rollback(n_before + n)
             new, finish = _truncate(s, cand[: n + 1])
             if s.shaping is not None and s.shaping.constraint is not None:
                 s.shaping.constraint.commit(new)  # [shaping] the matcher advances by accepted tokens only

@@ -389,6 +389,9 @@ class Engine:
         ``batch_controller.choose_ks``."""
         if not decoding:
             return []
+        costs = self.costs_of(decoding[0])
+        if len(decoding) >= 2 and costs.stays_off([id(s.controller) for s in decoding]):
+            return [0] * len(decoding)  # judged off lately, and nothing it read has moved since
         rows = [
             KRow(
                 s.controller,
@@ -400,7 +403,7 @@ class Engine:
             )
             for s in decoding
         ]
-        return choose_ks(rows, self.costs_of(decoding[0]))
+        return choose_ks(rows, costs)
 
     def _commit(self, seq: Sequence, a: Applied, t_draft: float, t_target: float, timed: bool) -> StepOutput:
         """A row's controller, stats and output for a step it has taken (``QueuedStep.apply``)."""
