@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from decoding.async_engine import AsyncEngine, default_prefill_budget
 from decoding.drafters import DraftModelDrafter, _Drafting
 from decoding.engine import Engine, LoadedModel
 from decoding.graphs import BATCH_BUCKETS, batch_bucket
-from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.params import GenerationRequest, RequestStats, SamplingParams, SpecMode, SpecParams
 from decoding.runner import as_ids
 from decoding.static import NO_SPLIT_K, StaticModel
 
@@ -124,10 +125,15 @@ def corrupt(reference: list[int], acceptance: float, gen: torch.Generator) -> to
 
 
 async def run_requests(
-    ae: AsyncEngine, reqs: list[GenerationRequest], late: GenerationRequest | None = None, hold: bool = False
+    ae: AsyncEngine,
+    reqs: list[GenerationRequest],
+    late: GenerationRequest | None = None,
+    hold: bool = False,
+    stats: dict[str, RequestStats] | None = None,
 ):
     """Every request at once; per request (submit, [(time, tokens)]). ``late`` is submitted once the
-    others have 16 tokens each; its (submit, first token) window is returned too."""
+    others have 16 tokens each; its (submit, first token) window is returned too. ``stats``: filled
+    with each request's RequestStats."""
     t_sub: dict[str, float] = {}
     chunks: dict[str, list[tuple[float, int]]] = {r.request_id: [] for r in reqs}
     outputs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
@@ -140,6 +146,8 @@ async def run_requests(
             if out.token_ids:
                 chunks[r.request_id].append((time.perf_counter(), len(out.token_ids)))
                 outputs[r.request_id].extend(out.token_ids)
+            if stats is not None and out.stats is not None:
+                stats[r.request_id] = out.stats
             if late is not None and all(len(v) >= 16 for v in outputs.values()):
                 started.set()
 
@@ -181,6 +189,19 @@ def parting(model, prompt: list[int], ref: list[int], got: list[int]) -> dict[st
     top = logits.topk(2).values.tolist()
     spacing = 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - 7)  # bf16: 8 significant bits
     return {"at": at, "gap": a - b, "spacing": spacing, "top2_margin": top[0] - top[1]}
+
+
+def k_steps(stats: Iterable[RequestStats]) -> dict[int, int]:
+    """Steps by the k a row drafted in them (0: plain), summed over the rows: where a mode's
+    tokens a step come from (``drafted_by_position[i]`` counts steps that drafted an (i+1)-th)."""
+    out: dict[int, int] = {}
+    for st in stats:
+        d = st.drafted_by_position
+        out[0] = out.get(0, 0) + st.steps - st.spec_steps
+        for i, n in enumerate(d):
+            if n - (d[i + 1] if i + 1 < len(d) else 0):
+                out[i + 1] = out.get(i + 1, 0) + n - (d[i + 1] if i + 1 < len(d) else 0)
+    return dict(sorted(out.items()))
 
 
 def summarise(t_sub, chunks, n_rows: int, kv_row_bytes: float, weights: float, bw: float) -> dict[str, Any]:
@@ -434,9 +455,13 @@ def main(argv: list[str] | None = None) -> None:
                     replay(engine, reqs, ref_replay)
                     if engine is exact:
                         ae.max_active = 0
-                    t_sub, chunks, outs, _ = asyncio.run(run_requests(ae, reqs, hold=engine is exact))
+                    stats: dict[str, RequestStats] = {}
+                    t_sub, chunks, outs, _ = asyncio.run(
+                        run_requests(ae, reqs, hold=engine is exact, stats=stats)
+                    )
                     s = summarise(t_sub, chunks, N, kv_row, weights, bw)
                     s["tokens_per_step"] = s.get("tokens", 0) / max(1, sum(len(c) for c in chunks.values()))
+                    s["k_steps"] = k_steps(stats.values())
                     runs.append((s, outs))
                 # the median run's numbers; every run's outputs are checked, the worst one reported
                 tps = [r[0].get("aggregate_tps", 0.0) for r in runs]
@@ -444,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
                 s["runs_tps"] = tps
                 if mode in ("off", "off_exact"):
                     s.pop("tokens_per_step")
+                    s.pop("k_steps")
                     if mode == "off":
                         ref_fast = {i: runs[0][1][r.request_id] for i, r in enumerate(reqs)}
                     else:
