@@ -3,7 +3,7 @@ Runs fast off (the replay's reference), then auto, timing every engine step and 
 ones with what they held: rows, drafted tokens, the draft's catch-up backlog, graphs captured during
 the step, and dynamo recompiles (logged by torch).
 
-    python -m bench.probe_auto_fast [exact] [nosync] [minrows=R] [N ...]   (default 16)
+    python -m bench.probe_auto_fast [exact] [nosync] [minrows=R] [on=R] [N ...]   (default 16)
 
 ``exact``: the same in exact mode (bench.gpu_batch's auto row), every prompt in one prefill step.
 ``nosync``: no device sync around a step, so steps queued ahead overlap as they do in a server; a
@@ -11,6 +11,8 @@ step's time is then the interval between two calls' returns (the step each retur
 Each round prints where each request's output first parts from the replay's reference (past it, the
 replay's drafts are all rejected), the step that was and how many rows it held, and the batch's rows
 step by step. ``minrows=R``: exact-mode graph steps hold at least R rows (StaticModel.exact_min_rows).
+``on=R``: R runs at a fixed k = 4 (the same replay) on the engine before each auto round, as
+bench.gpu_batch's ``on`` runs come before its ``auto`` ones.
 """
 
 from __future__ import annotations
@@ -47,10 +49,21 @@ def main() -> None:
     tm.warm()
     dm.warm()
     for N in ns:
-        probe(N, target, draft, tm, dm, exact, nosync)
+        probe(N, target, draft, tm, dm, exact, nosync, int(opts.get("on", 0)))
 
 
-def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, nosync: bool = False) -> None:  # type: ignore[no-untyped-def]
+def print_by_k(log: list) -> None:  # type: ignore[type-arg]
+    """Steps by the most any row drafted in them (-1: a prefill step): count, mean and max time."""
+    by_k: dict[int, list[float]] = {}
+    for dt, _, drafted, _, _ in log:
+        by_k.setdefault(max(drafted, default=-1), []).append(dt)
+    for k, ts in sorted(by_k.items()):
+        print(f"   k={k}: {len(ts)} steps, mean {1e3 * sum(ts) / len(ts):.1f} ms, max {1e3 * max(ts):.1f} ms")
+
+
+def probe(
+    N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, nosync: bool = False, on: int = 0
+) -> None:  # type: ignore[no-untyped-def]
     buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N))
     if exact:
         tm.capture(range(1, 2), buckets)
@@ -84,7 +97,8 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
         choices.append(
             f"k={k} probe={probe} a={[round(a, 2) for a, _, _ in rows]} t_target(B(k+1)), k=0..2: "
             f"{[round(1e3 * x, 2) if x else None for x in t]} ms, t_draft {self.t_draft(B)}, {kw}, "
-            f"host {self.host}, seed gap {self.seed_gap}"
+            f"host {self.host}, seed gap {self.seed_gap}, realised {self.realised}, verifications (ms) "
+            f"{ {r: round(1e3 * v, 2) for r, v in sorted(self.verifications(B).items())} }"
         )
         return k
 
@@ -138,6 +152,25 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
             auto = reqs(f"auto{rnd}-", SpecParams(SpecMode.DRAFT, max_k=8, adaptive=True))
             for i, r in enumerate(auto):
                 fast.references[r.request_id] = corrupt(ref[i], 0.8, gen)
+            for j in range(on):  # fixed k = 4 runs on the same engine first, as bench.gpu_batch's are
+                fixed = reqs(f"on{rnd}.{j}-", SpecParams(SpecMode.DRAFT, max_k=4, adaptive=False))
+                for i, r in enumerate(fixed):
+                    fast.references[r.request_id] = fast.references[auto[i].request_id]
+                if exact:
+                    ae.max_active = 0
+                Engine.step_batch = timed  # type: ignore[method-assign]
+                log.clear()
+                returned.clear()
+                t0 = time.perf_counter()
+                try:
+                    asyncio.run(run_requests(ae, fixed, hold=exact))
+                finally:
+                    Engine.step_batch = inner  # type: ignore[method-assign]
+                print(
+                    f"N={N} round {rnd}: fixed k = 4 run {j}: {len(log)} steps, "
+                    f"{sum(x[0] for x in log) * 1e3:.0f} ms in steps, {(time.perf_counter() - t0) * 1e3:.0f} ms wall"
+                )
+                print_by_k(log)
             Engine.step_batch = timed  # type: ignore[method-assign]
             BatchCosts.best_k = logged  # type: ignore[method-assign,assignment]
             log.clear()
@@ -182,13 +215,7 @@ def probe(N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, 
             if i < 12 or i % 16 == 0:
                 print(f"   choice {i}: {c}")
         print("   k by step:", "".join(str(max(d, default=0)) if d else "." for _, _, d, _, _ in log))
-        by_k: dict[int, list[float]] = {}
-        for dt, _, drafted, _, _ in log:
-            by_k.setdefault(max(drafted, default=-1), []).append(dt)
-        for k, ts in sorted(by_k.items()):
-            print(
-                f"   k={k}: {len(ts)} steps, mean {1e3 * sum(ts) / len(ts):.1f} ms, max {1e3 * max(ts):.1f} ms"
-            )
+        print_by_k(log)
         print(
             "   ms by step (k, draft backlog where drafting):",
             " ".join(
