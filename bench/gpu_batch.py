@@ -15,7 +15,8 @@ Measured, in one run:
      replay drafter: the real draft model runs for its cost, its proposals are the target's own
      continuation corrupted to acceptance 0.8; k = 4) and auto (the same drafter, adaptive k and the
      batch-aware cap), in exact mode, and auto in fast mode against fast off; on and auto outputs
-     checked against off, token for token; each engine mode timed ``--repeats`` times, the median kept;
+     checked against off, token for token; each engine mode timed ``--repeats`` times, each
+     speculative run on a draw of its own (the same draws for on, auto and auto fast), the median kept;
   2. transformers' static-cache batched ``generate`` at the same N (prefill included, as above), in a
      process of its own with cuBLAS as torch configures it (this one asks for no split-K, as the
      engine's loader does: decoding.static.without_split_k);
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         + (f" --repeats {args.repeats}" if args.repeats != REPEATS else "")
         + (f" --serving {args.serving}" if args.serving else ""),
         "repeats": args.repeats,
+        "draws": True,  # each repeat replays a draw of its own (from 2026-12-04 04:00 UTC)
         "serving": args.serving,
         "prompt": PROMPT,
         "new": NEW,
@@ -384,11 +386,19 @@ def main(argv: list[str] | None = None) -> None:
             for i in range(N)
         ]
 
-    def replay(engine: ReplayEngine, reqs: list[GenerationRequest], ref: dict[int, list[int]]) -> None:
-        # one draw per (N, request): on, auto and auto_fast see the same kept positions, so their
-        # ratios compare controllers, not 128-token samples of acceptance (+- 0.035 each)
+    def replay(
+        engine: ReplayEngine, reqs: list[GenerationRequest], ref: dict[int, list[int]], draw: int = 0
+    ) -> None:
+        # one draw per (N, request, repeat): on, auto and auto_fast see the same kept positions at
+        # each repeat, so their ratios compare controllers, not 128-token samples of acceptance
+        # (+- 0.035 each). Each repeat draws anew: a run's rate ends with its last row, and which
+        # row ends last, by how many steps, follows the draw and the k each step took. In
+        # bench.sim_controller at N = 4 auto / fixed k = 4 ranged 0.94-1.07x over 16 draws (sd
+        # 3.4%); on the H200 one draw left one of 4 rows 3 steps behind the rest under auto (~27
+        # ms of a 385 ms run, bench.probe_auto_fast 2026-12-04 03:27 UTC), and the repeats of one
+        # draw re-time the same tail.
         for i, r in enumerate(reqs):
-            g = torch.Generator().manual_seed(1000 * len(reqs) + i)
+            g = torch.Generator().manual_seed(1000 * len(reqs) + i + 1_000_003 * draw)
             engine.references[r.request_id] = corrupt(ref.get(i, [0] * NEW), ACCEPTANCE, g)
 
     def rehearse(
@@ -451,8 +461,8 @@ def main(argv: list[str] | None = None) -> None:
                 if mode == "auto_fast":
                     ref_replay, rehearsals = rehearse(ae, N, mode, ref_fast)
                 runs = []  # (summary, outputs), each timed run's; the controller keeps what it learned
-                for _ in range(args.repeats):
-                    replay(engine, reqs, ref_replay)
+                for draw in range(args.repeats):
+                    replay(engine, reqs, ref_replay, draw)
                     if engine is exact:
                         ae.max_active = 0
                     stats: dict[str, RequestStats] = {}

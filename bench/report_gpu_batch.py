@@ -110,7 +110,12 @@ def render(path: str) -> None:
         "so that a bf16 tie does not leave the drafts proposing a continuation the target no longer follows; its "
         "identity is still judged against fast `off`. "
         + (
-            f"Each engine mode: the median of {R['repeats']} timed runs at each N (every run's outputs checked). "
+            f"Each engine mode: the median of {R['repeats']} timed runs at each N (every run's outputs checked"
+            + (
+                "; each speculative run on a replay draw of its own, the same for on, auto and auto fast). "
+                if R.get("draws")
+                else "). "
+            )
             if R.get("repeats", 1) > 1
             else ""
         )
