@@ -393,8 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         # each repeat, so their ratios compare controllers, not 128-token samples of acceptance
         # (+- 0.035 each). Each repeat draws anew: a run's rate ends with its last row, and which
         # row ends last, by how many steps, follows the draw and the k each step took. In
-        # bench.sim_controller at N = 4 auto / fixed k = 4 ranged 0.94-1.07x over 16 draws (sd
-        # 3.4%); on the H200 one draw left one of 4 rows 3 steps behind the rest under auto (~27
+        # bench.sim_controller --spread at N = 4 auto / fixed k = 4 ranged 0.94-1.07x over 16 draws
+        # (sd 3.4%); on the H200 one draw left one of 4 rows 3 steps behind the rest under auto (~27
         # ms of a 385 ms run, bench.probe_auto_fast 2026-12-04 03:27 UTC), and the repeats of one
         # draw re-time the same tail.
         for i, r in enumerate(reqs):
