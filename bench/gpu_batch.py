@@ -197,11 +197,11 @@ def k_steps(stats: Iterable[RequestStats]) -> dict[int, int]:
     tokens a step come from (``drafted_by_position[i]`` counts steps that drafted an (i+1)-th)."""
     out: dict[int, int] = {}
     for st in stats:
-        d = st.drafted_by_position
         out[0] = out.get(0, 0) + st.steps - st.spec_steps
-        for i, n in enumerate(d):
-            if n - (d[i + 1] if i + 1 < len(d) else 0):
-                out[i + 1] = out.get(i + 1, 0) + n - (d[i + 1] if i + 1 < len(d) else 0)
+        d = [*st.drafted_by_position, 0]
+        for k, (n, deeper) in enumerate(itertools.pairwise(d), start=1):
+            if n > deeper:  # steps that drafted a k-th token and no (k+1)-th
+                out[k] = out.get(k, 0) + n - deeper
     return dict(sorted(out.items()))
 
 

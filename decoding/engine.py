@@ -390,7 +390,8 @@ class Engine:
         if not decoding:
             return []
         costs = self.costs_of(decoding[0])
-        if len(decoding) >= 2 and costs.stays_off([id(s.controller) for s in decoding]):
+        # (the rows' ids are listed only where a batch was judged off: not on a speculative step)
+        if costs.off_rows is not None and costs.stays_off([id(s.controller) for s in decoding]):
             return [0] * len(decoding)  # judged off lately, and nothing it read has moved since
         rows = [
             KRow(
