@@ -254,6 +254,15 @@ def hf_generate_tps(model, N: int, ids: torch.Tensor) -> list[float]:  # type: i
     return runs
 
 
+def host_cpu() -> str:
+    """The host's CPU model, as /proc/cpuinfo names it ('' where it does not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def transformers_baseline(ns: list[int]) -> dict[str, Any]:
     """``hf_generate_tps`` at each N in a child process (``--transformers-only``) whose cuBLAS keeps
     torch's workspace: the split-K setting is per process, and the baseline runs as a user runs it."""
@@ -314,6 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter()
     R: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
+        # the lease's host CPU: transformers' generate waits on the host between steps (146 tok/s at
+        # N = 1, ~6.8 ms a token against a ~4.4 ms device step), so its baseline moves with the host
+        # (best-of-3 at N = 16: 1385-1931 tok/s across leases) while the engine's graphs do not
+        "host_cpu": host_cpu(),
         "torch": torch.__version__,
         "transformers_version": transformers.__version__,
         "python": platform.python_version(),
@@ -477,9 +490,21 @@ def main(argv: list[str] | None = None) -> None:
                 tps = [r[0].get("aggregate_tps", 0.0) for r in runs]
                 s = dict(sorted(runs, key=lambda r: r[0].get("aggregate_tps", 0.0))[len(runs) // 2][0])
                 s["runs_tps"] = tps
+                # each run's own steps: one slow run among three is a median's blind spot
+                s["runs"] = [
+                    {
+                        "tps": r[0].get("aggregate_tps", 0.0),
+                        "itl_p50_ms": r[0].get("itl_p50_ms"),
+                        "ttft_p50_ms": r[0].get("ttft_p50_ms"),
+                        "tokens_per_step": r[0].get("tokens_per_step"),
+                        "k_steps": r[0].get("k_steps"),
+                    }
+                    for r in runs
+                ]
                 if mode in ("off", "off_exact"):
                     s.pop("tokens_per_step")
                     s.pop("k_steps")
+                    s.pop("runs")
                     if mode == "off":
                         ref_fast = {i: runs[0][1][r.request_id] for i, r in enumerate(reqs)}
                     else:

@@ -93,7 +93,9 @@ def render(path: str) -> None:
     lines = [
         "## GPU: the batched engine, N concurrent requests",
         "",
-        f"Device: {R['device']}, torch {R['torch']}, transformers {R['transformers_version']}, Python {R['python']}. "
+        f"Device: {R['device']}"
+        + (f" (host CPU: {R['host_cpu']})" if R.get("host_cpu") else "")
+        + f", torch {R['torch']}, transformers {R['transformers_version']}, Python {R['python']}. "
         f"Command: `{R['command']}`. Date: {R['date']}. Qwen2.5-7B-shaped target and 0.5B-shaped draft, "
         f"random weights, bf16, {'inductor-compiled layer halves under' if R['compiled'] else ''} CUDA graphs "
         f"keyed by (batch bucket, width), attention by the fused kernel (decoding/kernels.py); {R['prompt']}-token "
