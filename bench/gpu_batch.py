@@ -236,6 +236,19 @@ def summarise(t_sub, chunks, n_rows: int, kv_row_bytes: float, weights: float, b
     }
 
 
+def longest_silence(chunks: dict[str, list[tuple[float, int]]]) -> float:
+    """ms: the longest wall time after the first token of the run in which no row got a token."""
+    ts = sorted(t for c in chunks.values() for t, _ in c)
+    return 1e3 * max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
+
+
+def frames_compiled() -> int:
+    """Frames dynamo has compiled in this process (a compile inside a timed run is a stall)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
 def hf_generate_tps(model, N: int, ids: torch.Tensor) -> list[float]:  # type: ignore[no-untyped-def]
     """tok/s of HF_RUNS timed runs (the baseline is judged by its best: it varied by a third between
     runs on the lent H200)."""
@@ -479,10 +492,16 @@ def main(argv: list[str] | None = None) -> None:
                     if engine is exact:
                         ae.max_active = 0
                     stats: dict[str, RequestStats] = {}
+                    before = (frames_compiled(), sum(len(set(m.graphs)) for m in (tm, te, dm)))
                     t_sub, chunks, outs, _ = asyncio.run(
                         run_requests(ae, reqs, hold=engine is exact, stats=stats)
                     )
                     s = summarise(t_sub, chunks, N, kv_row, weights, bw)
+                    # what would stall a run: a compile or a graph capture inside it, and the longest
+                    # wall time in which no row got a token
+                    s["compiled_in_run"] = frames_compiled() - before[0]
+                    s["captured_in_run"] = sum(len(set(m.graphs)) for m in (tm, te, dm)) - before[1]
+                    s["stall_ms"] = longest_silence(chunks)
                     s["tokens_per_step"] = s.get("tokens", 0) / max(1, sum(len(c) for c in chunks.values()))
                     s["k_steps"] = k_steps(stats.values())
                     runs.append((s, outs))
@@ -498,6 +517,9 @@ def main(argv: list[str] | None = None) -> None:
                         "ttft_p50_ms": r[0].get("ttft_p50_ms"),
                         "tokens_per_step": r[0].get("tokens_per_step"),
                         "k_steps": r[0].get("k_steps"),
+                        "stall_ms": r[0].get("stall_ms"),
+                        "compiled_in_run": r[0].get("compiled_in_run"),
+                        "captured_in_run": r[0].get("captured_in_run"),
                     }
                     for r in runs
                 ]

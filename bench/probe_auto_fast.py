@@ -3,7 +3,7 @@ Runs fast off (the replay's reference), then auto, timing every engine step and 
 ones with what they held: rows, drafted tokens, the draft's catch-up backlog, graphs captured during
 the step, and dynamo recompiles (logged by torch).
 
-    python -m bench.probe_auto_fast [exact] [nosync] [minrows=R] [on=R] [N ...]   (default 16)
+    python -m bench.probe_auto_fast [exact] [nosync] [minrows=R] [on=R] [rounds=R] [N ...]   (default 16)
 
 ``exact``: the same in exact mode (bench.gpu_batch's auto row), every prompt in one prefill step.
 ``nosync``: no device sync around a step, so steps queued ahead overlap as they do in a server; a
@@ -12,7 +12,8 @@ Each round prints where each request's output first parts from the replay's refe
 replay's drafts are all rejected), the step that was and how many rows it held, and the batch's rows
 step by step. ``minrows=R``: exact-mode graph steps hold at least R rows (StaticModel.exact_min_rows).
 ``on=R``: R runs at a fixed k = 4 (the same replay) on the engine before each auto round, as
-bench.gpu_batch's ``on`` runs come before its ``auto`` ones.
+bench.gpu_batch's ``on`` runs come before its ``auto`` ones. ``rounds=R``: R rounds (default 2) on the
+same engine, whose batch costs carry over, as bench.gpu_batch's repeats do.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> None:
     tm.warm()
     dm.warm()
     for N in ns:
-        probe(N, target, draft, tm, dm, exact, nosync, int(opts.get("on", 0)))
+        probe(N, target, draft, tm, dm, exact, nosync, int(opts.get("on", 0)), int(opts.get("rounds", 2)))
 
 
 def print_by_k(log: list) -> None:  # type: ignore[type-arg]
@@ -62,8 +63,16 @@ def print_by_k(log: list) -> None:  # type: ignore[type-arg]
 
 
 def probe(
-    N: int, target, draft, tm: StaticModel, dm: StaticModel, exact: bool, nosync: bool = False, on: int = 0
-) -> None:  # type: ignore[no-untyped-def]
+    N: int,
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    tm: StaticModel,
+    dm: StaticModel,
+    exact: bool,
+    nosync: bool = False,
+    on: int = 0,
+    rounds: int = 2,
+) -> None:
     buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(N))
     if exact:
         tm.capture(range(1, 2), buckets)
@@ -137,7 +146,7 @@ def probe(
         )
         return outs
 
-    for rnd in range(2):
+    for rnd in range(rounds):
         # exact mode as bench.gpu_batch runs it: every prompt in one prefill step
         ae = AsyncEngine(fast, 0, N, N * PROMPT) if exact else AsyncEngine(fast, N, N, 256)
         try:
