@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import json
 import math
@@ -51,6 +52,7 @@ from decoding.graphs import BATCH_BUCKETS, batch_bucket
 from decoding.params import GenerationRequest, RequestStats, SamplingParams, SpecMode, SpecParams
 from decoding.runner import as_ids
 from decoding.static import NO_SPLIT_K, StaticModel
+from decoding.warmup import freeze_heap
 
 PROMPT, NEW = 128, 128
 LONG_PROMPT = 4000
@@ -242,6 +244,21 @@ def longest_silence(chunks: dict[str, list[tuple[float, int]]]) -> float:
     return 1e3 * max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
 
 
+class GcPauses:
+    """The garbage collector's pauses, (generation, seconds) each, as ``gc.callbacks`` report them."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.pauses: list[tuple[int, float]] = []
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self.started))
+
+
 def frames_compiled() -> int:
     """Frames dynamo has compiled in this process (a compile inside a timed run is a stall)."""
     from torch._dynamo.utils import counters
@@ -321,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="ROWS",
         help="every batch bucket up to ROWS captured and timed before the first N, as a server's load does",
     )
+    ap.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave what loading made to the garbage collector (the server freezes it: freeze_heap)",
+    )
     args = ap.parse_args(argv)
     if args.report:
         from bench.report_gpu_batch import render
@@ -349,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         + " --no-compile" * args.no_compile
         + (f" --ns {args.ns}" if args.ns else "")
         + (f" --repeats {args.repeats}" if args.repeats != REPEATS else "")
-        + (f" --serving {args.serving}" if args.serving else ""),
+        + (f" --serving {args.serving}" if args.serving else "")
+        + " --no-freeze" * args.no_freeze,
         "repeats": args.repeats,
         "draws": True,  # each repeat replays a draw of its own (from 2026-12-04 04:00 UTC)
         "serving": args.serving,
@@ -449,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         return ref, 4
 
     R["engine"] = {}
+    gc_pauses = GcPauses()
     for N in ns:
         # exact mode: every run's steps have one shape (all prompts in one prefill step, then decode
         # steps of all rows), so the off and speculative runs compute each row with the same kernels
@@ -480,6 +504,8 @@ def main(argv: list[str] | None = None) -> None:
             warm = requests(N, "on")
             replay(exact, warm, {})
             asyncio.run(run_requests(engines[id(exact)], warm, hold=True))
+            if not args.no_freeze:  # as the server does once its models are loaded and warmed
+                R.setdefault("frozen", {})[N] = freeze_heap()
             for mode, (engine, _) in modes.items():
                 ae = engines[id(engine)]
                 reqs = requests(N, mode)
@@ -493,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
                         ae.max_active = 0
                     stats: dict[str, RequestStats] = {}
                     before = (frames_compiled(), sum(len(set(m.graphs)) for m in (tm, te, dm)))
+                    gc_pauses.pauses.clear()
                     t_sub, chunks, outs, _ = asyncio.run(
                         run_requests(ae, reqs, hold=engine is exact, stats=stats)
                     )
@@ -502,6 +529,8 @@ def main(argv: list[str] | None = None) -> None:
                     s["compiled_in_run"] = frames_compiled() - before[0]
                     s["captured_in_run"] = sum(len(set(m.graphs)) for m in (tm, te, dm)) - before[1]
                     s["stall_ms"] = longest_silence(chunks)
+                    s["gc_max_ms"] = 1e3 * max((t for _, t in gc_pauses.pauses), default=0.0)
+                    s["gc_full"] = sum(g == 2 for g, _ in gc_pauses.pauses)
                     s["tokens_per_step"] = s.get("tokens", 0) / max(1, sum(len(c) for c in chunks.values()))
                     s["k_steps"] = k_steps(stats.values())
                     runs.append((s, outs))
@@ -520,6 +549,8 @@ def main(argv: list[str] | None = None) -> None:
                         "stall_ms": r[0].get("stall_ms"),
                         "compiled_in_run": r[0].get("compiled_in_run"),
                         "captured_in_run": r[0].get("captured_in_run"),
+                        "gc_max_ms": r[0].get("gc_max_ms"),
+                        "gc_full": r[0].get("gc_full"),
                     }
                     for r in runs
                 ]

@@ -159,7 +159,7 @@ def _build_engine(settings: Settings) -> EngineClient:
     from decoding.engine import Engine
     from decoding.loader import ModelSpec, load_all
     from decoding.sizing import default_max_active
-    from decoding.warmup import warm_up
+    from decoding.warmup import freeze_heap, warm_up
 
     specs = [
         ModelSpec(
@@ -183,6 +183,7 @@ def _build_engine(settings: Settings) -> EngineClient:
     for name, m in engine.models.items():
         if m.device.type == "cuda":  # kernels that load on first use, loaded before the first request
             log.info("model %s: warmed up in %d steps", name, warm_up(engine, name))
+    log.info("%d objects of the loaded models frozen out of garbage collection", freeze_heap())
     limits = settings.limits
     return AsyncEngine(engine, max_active, limits.max_queued, limits.prefill_budget, limits.burst_budget)
 
