@@ -15,7 +15,7 @@ from decoding.engine import Engine
 from decoding.params import FinishReason, GenerationRequest, SamplingParams, SpecMode, SpecParams, StepOutput
 from decoding.runner import Row, forward_many
 from decoding.static import StaticModel
-from decoding.warmup import warm_up
+from decoding.warmup import freeze_heap, warm_up
 
 PROMPTS = [
     "hello wörld, write a poem",
@@ -723,6 +723,31 @@ def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
     assert seen[0][1:] == (False, True)  # the stalled step: no cost sample, no goodput sample
     assert seen[1][1] and not seen[1][2] and costs.target[2, 8] < 1.0  # the next one is the sample
     assert costs.held == {(2, 8)}
+
+
+def test_freeze_heap_takes_what_exists_out_of_collection_and_collects_garbage_first() -> None:
+    """What is alive when ``freeze_heap`` runs leaves the collector's generations (a full collection
+    no longer walks it); a cycle that was already garbage is collected first, not frozen."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    kept = [Node()]
+    garbage = Node()
+    garbage.self = garbage  # type: ignore[attr-defined]
+    gone = weakref.ref(garbage)
+    del garbage
+    try:
+        assert freeze_heap() == gc.get_freeze_count() > 0
+        assert gone() is None
+        assert not any(o is kept for o in gc.get_objects())
+        later: list[Node] = []
+        assert any(o is later for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+    assert any(o is kept for o in gc.get_objects())
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-draft"])  # with its draft model; by prompt lookup

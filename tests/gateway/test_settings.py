@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -76,5 +77,8 @@ def test_the_step_budgets_reach_the_engine() -> None:
         engine = _build_engine(load_settings(env=env))
         try:
             assert (engine.prefill_budget, engine.burst_budget) == budgets  # type: ignore[attr-defined]
+            # ... and what loading made is out of garbage collection (decoding.warmup.freeze_heap)
+            assert gc.get_freeze_count() > 0
         finally:
+            gc.unfreeze()
             engine.shutdown()  # type: ignore[attr-defined]
