@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from bench.cpu_engine import encode_prompts
+from bench.gpu_batch import k_steps
 from bench.report import cpu_kind, stamp, write_section
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
 from decoding.loader import ModelSpec, cpu_bf16_features, load_all
-from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.params import GenerationRequest, RequestStats, SamplingParams, SpecMode, SpecParams
 from decoding.warmup import freeze_heap
 
 KIND = cpu_kind()
@@ -64,6 +65,7 @@ async def concurrent(ae: AsyncEngine, reqs: list[GenerationRequest]) -> dict[str
     t0 = time.perf_counter()
     first: list[float] = []
     tokens = 0
+    stats: list[RequestStats] = []
 
     async def one(r: GenerationRequest) -> None:
         nonlocal tokens
@@ -74,10 +76,18 @@ async def concurrent(ae: AsyncEngine, reqs: list[GenerationRequest]) -> dict[str
                 first.append(time.perf_counter() - t)
                 seen = True
             tokens += len(out.token_ids)
+            if out.stats is not None and out.finish_reason is not None:
+                stats.append(out.stats)
 
     await asyncio.gather(*(one(r) for r in reqs))
     wall = time.perf_counter() - t0
-    return {"aggregate_tps": tokens / wall, "ttft_p50_s": statistics.median(first), "tokens": tokens}
+    return {
+        "aggregate_tps": tokens / wall,
+        "ttft_p50_s": statistics.median(first),
+        "tokens": tokens,
+        # row-steps by the k drafted (0: plain): on this VM one run's choices follow its timings
+        "k_steps": k_steps(stats),
+    }
 
 
 def load_pair(dtype: str = "auto") -> dict[str, Any]:
