@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from bench.cpu_engine import encode_prompts
-from bench.gpu_batch import k_steps
-from bench.report import cpu_kind, stamp, write_section
+from bench.report import cpu_kind, k_steps, stamp, write_section
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
 from decoding.loader import ModelSpec, cpu_bf16_features, load_all

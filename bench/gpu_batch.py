@@ -38,13 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import transformers
 
 from bench.gpu import DRAFT, TARGET, build, copy_bandwidth, save, weight_bytes
+from bench.report import cpu_model, k_steps
 from decoding.async_engine import AsyncEngine, default_prefill_budget
 from decoding.drafters import DraftModelDrafter, _Drafting
 from decoding.engine import Engine, LoadedModel
@@ -194,19 +194,6 @@ def parting(model, prompt: list[int], ref: list[int], got: list[int]) -> dict[st
     return {"at": at, "gap": a - b, "spacing": spacing, "top2_margin": top[0] - top[1]}
 
 
-def k_steps(stats: Iterable[RequestStats]) -> dict[int, int]:
-    """Steps by the k a row drafted in them (0: plain), summed over the rows: where a mode's
-    tokens a step come from (``drafted_by_position[i]`` counts steps that drafted an (i+1)-th)."""
-    out: dict[int, int] = {}
-    for st in stats:
-        out[0] = out.get(0, 0) + st.steps - st.spec_steps
-        d = [*st.drafted_by_position, 0]
-        for k, (n, deeper) in enumerate(itertools.pairwise(d), start=1):
-            if n > deeper:  # steps that drafted a k-th token and no (k+1)-th
-                out[k] = out.get(k, 0) + n - deeper
-    return dict(sorted(out.items()))
-
-
 def summarise(t_sub, chunks, n_rows: int, kv_row_bytes: float, weights: float, bw: float) -> dict[str, Any]:
     empty = [r for r, c in chunks.items() if not c]
     if empty:
@@ -284,15 +271,6 @@ def hf_generate_tps(model, N: int, ids: torch.Tensor) -> list[float]:  # type: i
     return runs
 
 
-def host_cpu() -> str:
-    """The host's CPU model, as /proc/cpuinfo names it ('' where it does not)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
 def transformers_baseline(ns: list[int]) -> dict[str, Any]:
     """``hf_generate_tps`` at each N in a child process (``--transformers-only``) whose cuBLAS keeps
     torch's workspace: the split-K setting is per process, and the baseline runs as a user runs it."""
@@ -361,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         # the lease's host CPU: transformers' generate waits on the host between steps (146 tok/s at
         # N = 1, ~6.8 ms a token against a ~4.4 ms device step), so its baseline moves with the host
         # (best-of-3 at N = 16: 1385-1931 tok/s across leases) while the engine's graphs do not
-        "host_cpu": host_cpu(),
+        "host_cpu": cpu_model(),
         "torch": torch.__version__,
         "transformers_version": transformers.__version__,
         "python": platform.python_version(),

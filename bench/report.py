@@ -3,13 +3,17 @@ benchmark's rerun replaces its numbers without touching the others'."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
+
+from decoding.params import RequestStats
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = """# Benchmarks
@@ -20,17 +24,34 @@ Speed is never asserted by tests.
 """
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
+def cpu_model() -> str:
+    """The CPU's model as /proc/cpuinfo names it ('' where it does not)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return ""
+
+
+def machine() -> str:
+    cpu = cpu_model() or "unknown CPU"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def k_steps(stats: Iterable[RequestStats]) -> dict[int, int]:
+    """Steps by the k a row drafted in them (0: plain), summed over the rows: where a mode's
+    tokens a step come from (``drafted_by_position[i]`` counts steps that drafted an (i+1)-th)."""
+    out: dict[int, int] = {}
+    for st in stats:
+        out[0] = out.get(0, 0) + st.steps - st.spec_steps
+        d = [*st.drafted_by_position, 0]
+        for k, (n, deeper) in enumerate(itertools.pairwise(d), start=1):
+            if n > deeper:  # steps that drafted a k-th token and no (k+1)-th
+                out[k] = out.get(k, 0) + n - deeper
+    return dict(sorted(out.items()))
 
 
 def command() -> str:
