@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import itertools
 import json
 import math
@@ -44,7 +43,7 @@ import torch
 import transformers
 
 from bench.gpu import DRAFT, TARGET, build, copy_bandwidth, save, weight_bytes
-from bench.report import cpu_model, k_steps
+from bench.report import GcPauses, cpu_model, k_steps
 from decoding.async_engine import AsyncEngine, default_prefill_budget
 from decoding.drafters import DraftModelDrafter, _Drafting
 from decoding.engine import Engine, LoadedModel
@@ -229,21 +228,6 @@ def longest_silence(chunks: dict[str, list[tuple[float, int]]]) -> float:
     """ms: the longest wall time after the first token of the run in which no row got a token."""
     ts = sorted(t for c in chunks.values() for t, _ in c)
     return 1e3 * max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
-
-
-class GcPauses:
-    """The garbage collector's pauses, (generation, seconds) each, as ``gc.callbacks`` report them."""
-
-    def __init__(self) -> None:
-        self.started = 0.0
-        self.pauses: list[tuple[int, float]] = []
-        gc.callbacks.append(self)
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self.started = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], time.perf_counter() - self.started))
 
 
 def frames_compiled() -> int:
@@ -449,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
             ref = got
         return ref, 4
 
+    def graphs_held() -> int:  # every CUDA graph the three models hold
+        return sum(len(set(m.graphs)) for m in (tm, te, dm))
+
     R["engine"] = {}
     gc_pauses = GcPauses()
     for N in ns:
@@ -496,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
                     if engine is exact:
                         ae.max_active = 0
                     stats: dict[str, RequestStats] = {}
-                    before = (frames_compiled(), sum(len(set(m.graphs)) for m in (tm, te, dm)))
+                    before = (frames_compiled(), graphs_held())
                     gc_pauses.pauses.clear()
                     t_sub, chunks, outs, _ = asyncio.run(
                         run_requests(ae, reqs, hold=engine is exact, stats=stats)
@@ -505,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
                     # what would stall a run: a compile or a graph capture inside it, and the longest
                     # wall time in which no row got a token
                     s["compiled_in_run"] = frames_compiled() - before[0]
-                    s["captured_in_run"] = sum(len(set(m.graphs)) for m in (tm, te, dm)) - before[1]
+                    s["captured_in_run"] = graphs_held() - before[1]
                     s["stall_ms"] = longest_silence(chunks)
                     s["gc_max_ms"] = 1e3 * max((t for _, t in gc_pauses.pauses), default=0.0)
                     s["gc_full"] = sum(g == 2 for g, _ in gc_pauses.pauses)

@@ -18,7 +18,7 @@ import time
 import httpx
 
 import decoding.warmup
-from bench.gpu_batch import GcPauses
+from bench.report import GcPauses
 from gateway.app import create_app
 from gateway.server import _build_engine
 from gateway.settings import load_settings

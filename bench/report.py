@@ -3,6 +3,7 @@ benchmark's rerun replaces its numbers without touching the others'."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import platform
@@ -52,6 +53,21 @@ def k_steps(stats: Iterable[RequestStats]) -> dict[int, int]:
             if n > deeper:  # steps that drafted a k-th token and no (k+1)-th
                 out[k] = out.get(k, 0) + n - deeper
     return dict(sorted(out.items()))
+
+
+class GcPauses:
+    """The garbage collector's pauses, (generation, seconds) each, as ``gc.callbacks`` report them."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.pauses: list[tuple[int, float]] = []
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self.started))
 
 
 def command() -> str:
