@@ -305,6 +305,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="leave what loading made to the garbage collector (the server freezes it: freeze_heap)",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="exact mode through decoding/invariant.py's kernels, its modes alone (no fast mode, no "
+        "transformers): write it to bench/results_gpu_batch_invariant.json for the report's table",
+    )
     args = ap.parse_args(argv)
     if args.report:
         from bench.report_gpu_batch import render
@@ -334,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
         + (f" --ns {args.ns}" if args.ns else "")
         + (f" --repeats {args.repeats}" if args.repeats != REPEATS else "")
         + (f" --serving {args.serving}" if args.serving else "")
-        + " --no-freeze" * args.no_freeze,
+        + " --no-freeze" * args.no_freeze
+        + " --batch-invariant" * args.batch_invariant,
         "repeats": args.repeats,
         "draws": True,  # each repeat replays a draw of its own (from 2026-12-04 04:00 UTC)
         "serving": args.serving,
@@ -342,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         "new": NEW,
         "acceptance": ACCEPTANCE,
         "k_on": K_ON,
+        "batch_invariant": args.batch_invariant,
     }
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     bw = R["copy_bandwidth_Bps"] = copy_bandwidth()
@@ -369,7 +377,15 @@ def main(argv: list[str] | None = None) -> None:
     # weights tie their top two logits at bf16 resolution often enough that outputs part, and the
     # replay's reference (the target-only output) stops matching. A short context keeps exact
     # attention cheap.
-    te = StaticModel(target, EXACT_LEN, slots=slots, graphs=True, compile_step=compiled, exact=True)
+    te = StaticModel(
+        target,
+        EXACT_LEN,
+        slots=slots,
+        graphs=True,
+        compile_step=compiled,
+        exact=True,
+        batch_invariant=args.batch_invariant,
+    )
     R["compiled"] = compiled
     R["setup_s"] = time.perf_counter() - t0
     print(f"setup {R['setup_s']:.0f}s compiled={compiled}", flush=True)
@@ -389,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
         # fast off run's output, which bf16 ties may part from (the identical count says how often)
         "auto_fast": (fast, SpecParams(SpecMode.DRAFT, max_k=8, adaptive=True)),
     }
+    if args.batch_invariant:  # the invariant kernels are exact mode's: its modes alone
+        modes = {m: v for m, v in modes.items() if v[0] is exact}
 
     def requests(N: int, mode: str) -> list[GenerationRequest]:
         spec = modes[mode][1]
@@ -456,8 +474,9 @@ def main(argv: list[str] | None = None) -> None:
             # (--serving: every bucket up to its rows from the first N, as a server captures and
             # times them at load: the cost table then holds larger buckets than this N uses)
             buckets = tuple(b for b in BATCH_BUCKETS if b <= batch_bucket(max(N, args.serving)))
-            tm.capture(range(1, 2), buckets, chunk_tokens=(256,))  # the fast engine's prefill budget
-            tm.capture(range(2, tm.max_graph_tokens + 1), buckets)  # auto_fast's verification widths
+            if not args.batch_invariant:
+                tm.capture(range(1, 2), buckets, chunk_tokens=(256,))  # the fast engine's prefill budget
+                tm.capture(range(2, tm.max_graph_tokens + 1), buckets)  # auto_fast's verification widths
             te.capture(range(1, 2), buckets)
             dm.capture(range(1, dm.max_graph_tokens + 1), buckets)  # a 9-token catch-up row too
             for m in (te, dm):  # prompts and the draft's prompt backlogs, up to 512 tokens a step
@@ -465,7 +484,8 @@ def main(argv: list[str] | None = None) -> None:
             for m in (tm, te, dm):  # the start-up cost table, as the loader times it (BatchCosts.seed)
                 m.time_steps()
             # warm-up passes capture this N's graphs (both target modes, the draft) before timing
-            asyncio.run(run_requests(engines[id(fast)], requests(N, "off")))
+            if not args.batch_invariant:
+                asyncio.run(run_requests(engines[id(fast)], requests(N, "off")))
             warm = requests(N, "on")
             replay(exact, warm, {})
             asyncio.run(run_requests(engines[id(exact)], warm, hold=True))
@@ -554,6 +574,10 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for ae in engines.values():
                 ae.shutdown()
+    if args.batch_invariant:  # its table compares exact modes only
+        R["wall_s"] = time.perf_counter() - wall
+        save(R, args.out)
+        return
     engine = fast
 
     # 3. a long prompt prefilled in chunks beside 16 decoding streams

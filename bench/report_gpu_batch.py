@@ -65,9 +65,11 @@ def _invariant(path: Path, E: dict[int, Any]) -> list[str]:
     R = json.loads(path.read_text())
     lines = [
         "",
-        f"Batch-invariant exact mode, {R['device']}, {R['date']} (`{R['command']}` with the invariant kernels in exact "
-        "mode; the kernels' own times are `python -m bench.probe_invariant`). Its cuBLAS column is this run's: where "
-        "the two runs' dates differ the code did too, and the ratio compares across them:",
+        f"Batch-invariant exact mode, {R['device']}, {R['date']} (`{R['command']}`"
+        + ("" if "--batch-invariant" in R["command"] else " with the invariant kernels in exact mode")
+        + "; exact mode's matmuls and RMSNorm through decoding/invariant.py, the kernels' own times are "
+        "`python -m bench.probe_invariant`). Its cuBLAS column is this run's: where the two runs' dates differ "
+        "the code did too, and the ratio compares across them:",
         "",
         "| N | exact off tok/s, cuBLAS | batch-invariant | ratio | batch-invariant: on, auto tok/s | identical on, auto |",
         "|---|---|---|---|---|---|",
