@@ -33,7 +33,7 @@ def check(models: dict[str, LoadedModel], request: GenerationRequest) -> LoadedM
     target = model_of(models, request.model)
     n = len(request.prompt_token_ids)
     if n == 0:
-        raise ValueError("the prompt is empty")
+        raise InvalidParameter("The prompt is empty: it must hold at least one token.", "prompt")
     if n + request.params.max_tokens > target.max_context:
         raise PromptTooLong(n, request.params.max_tokens, target.max_context)
     # [shaping] a bad logit_bias token or a grammar that does not compile: a 400 naming it

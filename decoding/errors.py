@@ -25,13 +25,18 @@ class UnknownModel(EngineError):
 
 class PromptTooLong(EngineError):
     def __init__(self, prompt_tokens: int, max_tokens: int, context: int):
-        super().__init__(
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion."
-        )
         self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
         self.context = context
+        super().__init__(self.describe("messages"))
+
+    def describe(self, prompt: str) -> str:
+        """OpenAI's wording, naming the request's ``prompt`` parameter (messages, or a completion's prompt)."""
+        return (
+            f"This model's maximum context length is {self.context} tokens. However, you requested "
+            f"{self.prompt_tokens + self.max_tokens} tokens ({self.prompt_tokens} in the {prompt}, "
+            f"{self.max_tokens} in the completion). Please reduce the length of the {prompt} or completion."
+        )
 
 
 class EngineOverloaded(EngineError):

@@ -99,7 +99,7 @@ def to_api_error(exc: BaseException, prompt_param: str = "messages", retry_after
     if isinstance(exc, UnknownModel):
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, PromptTooLong):
-        return bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
+        return bad_request(exc.describe(prompt_param), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, EngineOverloaded):
         return unavailable(str(exc), retry_after, code="overloaded")
     if isinstance(exc, EngineStopped):

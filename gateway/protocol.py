@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 # Declared on requests only to be refused with a 400 naming them (see serving.to_job).
 UNSUPPORTED = (
@@ -47,17 +47,31 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
 LogprobCount = Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)]
 
 
-class _Request(BaseModel):
+class _Wire(BaseModel):
+    """A request object as a client sends it. OpenAI's schemas mark their optional fields nullable
+    (``"n": null``, ``"stream": null``, ``"logprobs": null``), and clients that send every field send
+    the unset ones as null: a null is the field left out, its default (and a required field's null
+    is its absence, refused by name)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class _Request(_Wire):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Wire):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
 
-class SpeculativeOptions(BaseModel):
+class SpeculativeOptions(_Wire):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["auto", "off", "draft", "ngram"] = "auto"
@@ -70,14 +84,14 @@ class SpeculativeOptions(BaseModel):
     draft_confidence: float | None = Field(default=None, ge=0, lt=1)
 
 
-class TextPart(BaseModel):
+class TextPart(_Wire):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
     text: str
 
 
-class _Strict(BaseModel):
+class _Strict(_Wire):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 

@@ -111,7 +111,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
     if not bias:
         return None
     for key, value in bias.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):  # isdigit alone admits "²" and "١٢"
             raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}.", param="logit_bias")
         if not -100 <= value <= 100:
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value}.", param="logit_bias")

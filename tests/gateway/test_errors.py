@@ -153,6 +153,18 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         400,
         "top_k",
     ),
+    (  # str.isdigit admits superscripts and other scripts' digits, which int() refuses or reads
+        "logit_bias key of non-ASCII digits",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"\u00b2": 5}}'.encode(),
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias key of Arabic-Indic digits",
+        '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"\u0661\u0662": 5}}'.encode(),
+        400,
+        "logit_bias",
+    ),
     (  # OpenAI documents that top_logprobs needs logprobs: true, and refuses it without
         "top_logprobs without logprobs",
         b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
@@ -193,6 +205,41 @@ def test_degenerate_sampling_parameters_still_generate(server: Server, headers: 
         assert r.status_code == 200 and '"error"' not in r.text and r.text.endswith("data: [DONE]\n\n")
 
 
+def test_null_is_the_default(server: Server, headers: dict[str, str]) -> None:
+    """OpenAI's schemas mark optional fields nullable, and clients that send every field send the
+    unset ones as null: each null is the default, on chat and on legacy completions."""
+    nulls = dict.fromkeys(
+        ("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "stop", "seed"),
+    )
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        json=ok_chat(temperature=0, stream_options={"include_usage": None}, **nulls),
+        headers=headers,
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    plain = httpx.post(
+        server.base_url + "/chat/completions", json=ok_chat(temperature=0), headers=headers, timeout=30
+    )
+    assert body["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    completion = {"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(
+        server.base_url + "/completions",
+        json={**completion, "echo": None, "n": None, "logprobs": None},
+        headers=headers,
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    plain = httpx.post(server.base_url + "/completions", json=completion, headers=headers, timeout=30)
+    assert r.json()["choices"] == plain.json()["choices"]
+    # a required field's null is its absence, refused by name
+    assert_error(
+        post(server, "/chat/completions", b'{"model": "tiny", "messages": null}', headers), 400, "messages"
+    )
+
+
 def test_unknown_fields_are_ignored(server: Server, headers: dict[str, str]) -> None:
     r = httpx.post(
         server.base_url + "/chat/completions",
@@ -223,7 +270,8 @@ def test_overlong_prompt(server: Server, headers: dict[str, str]) -> None:
         headers=headers,
         timeout=30,
     )
-    assert_error(r, 400, "prompt", "context_length_exceeded")
+    err = assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert "in the prompt" in err["message"] and "messages" not in err["message"]
 
 
 def test_oversized_body(server: Server, headers: dict[str, str]) -> None:
@@ -245,7 +293,9 @@ def test_completion_errors(server: Server, headers: dict[str, str]) -> None:
     assert_error(post(server, "/completions", b'{"model": "tiny", "prompt": []}', headers), 400, "prompt")
     assert_error(post(server, "/completions", b'{"model": "tiny", "prompt": 5}', headers), 400, "prompt")
     assert_error(
-        post(server, "/completions", b'{"model": "tiny", "prompt": "", "max_tokens": 2}', headers), 400
+        post(server, "/completions", b'{"model": "tiny", "prompt": "", "max_tokens": 2}', headers),
+        400,
+        "prompt",
     )
     assert_error(
         post(server, "/completions", b'{"model": "tiny", "prompt": "a", "suffix": "b"}', headers),
