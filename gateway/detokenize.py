@@ -98,3 +98,67 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+# ---- one token as logprobs show it ---------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``), character -> byte: printable bytes
+    stand for themselves, the rest for 256 + their rank. By hand because the gateway imports no
+    transformers, and tokenizers exposes no byte table; the mapping is fixed by the format."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in table.values())
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _raw_bytes(piece: str) -> bytes | None:
+    """A vocabulary entry's bytes: byte-level BPE's (Qwen, Llama 3, GPT-2) or a SentencePiece byte
+    token's (``<0xF0>``); None for any other."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if piece and all(c in BYTE_LEVEL for c in piece):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    return None
+
+
+def token_texts(tok: object, ids: list[int]) -> dict[int, str]:
+    """Each id's text as logprobs show it: the token decoded alone, or, where that is not whole
+    UTF-8 (part of a character split across tokens, which decodes to U+FFFD), ``bytes:\\xNN...`` with
+    its raw bytes, as OpenAI writes such tokens. ``logprob_bytes`` reads either back to the token's
+    bytes, so a client can rebuild the characters; distinct pieces of one character stay distinct
+    (they were all U+FFFD)."""
+    distinct = sorted(set(ids))
+    decode = tok.batch_decode  # type: ignore[attr-defined]
+    texts = decode([[t] for t in distinct], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    out = dict(zip(distinct, (str(t) for t in texts), strict=True))
+    split = [t for t in distinct if REPLACEMENT in out[t]]
+    if split:
+        pieces = tok.convert_ids_to_tokens(split)  # type: ignore[attr-defined]
+        for t, piece in zip(split, pieces, strict=True):
+            raw = _raw_bytes(piece) if isinstance(piece, str) else None
+            if raw is None:
+                continue
+            try:
+                out[t] = raw.decode("utf-8")  # a real U+FFFD in the vocabulary, or whole after all
+            except UnicodeDecodeError:
+                out[t] = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return out
+
+
+def logprob_bytes(token: str) -> bytes:
+    """A logprob token's bytes (``token_texts``): ``bytes:\\xNN...`` read back, else its UTF-8."""
+    if token.startswith("bytes:\\x"):
+        try:
+            return bytes(int(h, 16) for h in token[len("bytes:\\x") :].split("\\x"))
+        except ValueError:
+            pass
+    return token.encode("utf-8", errors="replace")

@@ -8,11 +8,13 @@ on every chunk but a final one whose ``choices`` is ``[]``.
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from typing import Any
 
 from gateway.backends import Delta, Generation, LogprobEntry, PromptLogprobs
+from gateway.detokenize import logprob_bytes
 from gateway.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -32,7 +34,13 @@ SYSTEM_FINGERPRINT = "specgate-0.1"
 
 
 def _bytes(s: str) -> list[int]:
-    return list(s.encode("utf-8", errors="replace"))
+    return list(logprob_bytes(s))
+
+
+def _utf8() -> codecs.IncrementalDecoder:
+    """Counts a choice's characters token by token (``text_offset``): a token holding part of a
+    character (``bytes:\\xNN``) completes none until the piece that ends it arrives."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> ChatLogprobs:
@@ -215,6 +223,7 @@ class CompletionFormat(_Formatter):
         self.n = n
         self.echo = echo
         self.offsets = [0] * choices  # text_offset of the next token, per choice
+        self.decoders = [_utf8() for _ in range(choices)]  # ... counted in characters
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * choices
         self.held: list[str | None] = [None] * choices  # a streamed echo waiting for its logprobs
         self.carried = False  # the generation's text carries its own echo (set with the generation)
@@ -236,7 +245,8 @@ class CompletionFormat(_Formatter):
         token starts in the choice's text: the prompt's from 0, by their lengths summed (as vLLM
         counts them; they add up to the echo unless a character is split across tokens, each piece
         decoding as U+FFFD), the completion's from the end of the echo, or, where the text carries
-        its own echo (a remote upstream's), on from the prompt's tokens."""
+        its own echo (a remote upstream's), on from the prompt's tokens. A token holding part of a
+        character starts where that character does."""
         if entries is None and prompt is None:
             return None
         lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
@@ -245,15 +255,16 @@ class CompletionFormat(_Formatter):
             lp.token_logprobs.append(None)
             lp.top_logprobs.append(None)
             lp.text_offset.append(0)
-            at = len(prompt.first)
+            prompt_chars = _utf8()
+            at = len(prompt_chars.decode(logprob_bytes(prompt.first)))
             for e in prompt.rest:
                 _append(lp, e, at)
-                at += len(e.token)
+                at += len(prompt_chars.decode(logprob_bytes(e.token)))
             if self.carried:
                 self.offsets[index] = at
         for e in entries or []:
             _append(lp, e, self.offsets[index])
-            self.offsets[index] += len(e.token)
+            self.offsets[index] += len(self.decoders[index].decode(logprob_bytes(e.token)))
         return lp
 
     def opening(self, gen: Generation) -> list[str]:
@@ -261,7 +272,7 @@ class CompletionFormat(_Formatter):
         out = []
         for i in range(len(self.texts)):
             echo = self._prompt_text(gen, i)
-            self.offsets[i] = len(echo)
+            self.offsets[i], self.decoders[i] = len(echo), _utf8()
             if self.echo and gen.echo_logprobs:
                 self.held[i] = echo  # sent with its prompt's logprobs, by the choice's first delta
             elif echo:
@@ -288,7 +299,7 @@ class CompletionFormat(_Formatter):
         choices = []
         for i, (text, lp) in enumerate(zip(self.texts, self.logprobs, strict=True)):
             echo = self._prompt_text(gen, i)
-            self.offsets[i] = len(echo)
+            self.offsets[i], self.decoders[i] = len(echo), _utf8()
             choices.append(
                 CompletionChoice(
                     text=echo + text,

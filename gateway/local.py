@@ -27,7 +27,7 @@ from decoding.params import (
     TokenLogprob,
 )
 from gateway.backends import Delta, Generation, Job, LogprobEntry, PromptLogprobs
-from gateway.detokenize import IncrementalDetokenizer, StopMatcher
+from gateway.detokenize import IncrementalDetokenizer, StopMatcher, token_texts
 from gateway.errors import bad_request
 from gateway.grammars import grammar_for, template_messages
 from gateway.tools import ToolCallParser
@@ -294,24 +294,16 @@ def _logprobs(tok: Tokenizer, step: StepOutput, used: int) -> list[LogprobEntry]
     if step.logprobs is None:
         return None
 
-    def text(tid: int) -> str:
-        return str(tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False))
-
-    return [
-        LogprobEntry(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top])
-        for lp in step.logprobs[:used]
-    ]
+    used_lps = step.logprobs[:used]
+    text = token_texts(tok, [t for lp in used_lps for t in (lp.token_id, *(t for t, _ in lp.top))])
+    return [LogprobEntry(text[lp.token_id], lp.logprob, [(text[t], v) for t, v in lp.top]) for lp in used_lps]
 
 
 def _prompt_logprobs(tok: Tokenizer, ids: list[int], scored: list[TokenLogprob | None]) -> PromptLogprobs:
     """The engine's prompt scores as text: every token decoded on its own, as completion tokens are
     (``_logprobs``), in one call for the prompt's and the alternatives' distinct ids (a long prompt
     has thousands)."""
-    distinct = sorted({*ids, *(t for s in scored if s is not None for t, _ in s.top)})
-    decoded = tok.batch_decode(
-        [[t] for t in distinct], skip_special_tokens=False, clean_up_tokenization_spaces=False
-    )
-    text = dict(zip(distinct, decoded, strict=True))
+    text = token_texts(tok, [*ids, *(t for s in scored if s is not None for t, _ in s.top)])
     rest = []
     for s in scored[1:]:
         assert s is not None, "only the first prompt token goes unscored"

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from decoding.tiny import byte_tokenizer
-from gateway.detokenize import IncrementalDetokenizer, StopMatcher
+from gateway.detokenize import IncrementalDetokenizer, StopMatcher, logprob_bytes, token_texts
 
 TOK = byte_tokenizer()
 
@@ -72,3 +72,25 @@ def test_held_tail_released_at_end() -> None:
 
 def test_no_stops_passes_through() -> None:
     assert feed_all([], ["a", "b"]) == (["a", "b", ""], False)
+
+
+class _PieceTokenizer:
+    """A SentencePiece-style vocabulary: byte-fallback pieces ``<0xNN>`` beside whole words."""
+
+    def __init__(self) -> None:
+        self.pieces = {1: "<0xE4>", 2: "<0xB8>", 3: "<0x96>", 4: "▁hello", 5: "<0xZZ>"}
+
+    def batch_decode(self, ids: list[list[int]], **kwargs: object) -> list[str]:
+        return [" hello" if i == [4] else "\ufffd" for i in ids]
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.pieces[i] for i in ids]
+
+
+def test_token_texts_show_a_split_character_by_its_bytes() -> None:
+    """Byte-fallback pieces of "世" (E4 B8 96) decode alone to U+FFFD; logprobs show their bytes, which
+    read back to the character. A piece of no known form keeps its decoded text."""
+    texts = token_texts(_PieceTokenizer(), [1, 2, 3, 4, 5, 1])
+    assert texts == {1: "bytes:\\xe4", 2: "bytes:\\xb8", 3: "bytes:\\x96", 4: " hello", 5: "\ufffd"}
+    assert b"".join(logprob_bytes(texts[i]) for i in (1, 2, 3)).decode() == "世"
+    assert logprob_bytes(" hello") == b" hello" and logprob_bytes("bytes: x") == b"bytes: x"

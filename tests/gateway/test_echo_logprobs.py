@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
 
+from decoding.tiny import byte_tokenizer
 from tests.gateway.conftest import API_KEY, Server
 
 PROMPT = "def f(x):\n    return x"  # ASCII: one byte-level token per character
@@ -128,3 +130,51 @@ async def test_scores_do_not_depend_on_what_runs_beside(server: Server) -> None:
     assert a is not None and b is not None and a.tokens == b.tokens
     assert b.token_logprobs[0] is None  # type: ignore[index]
     assert b.token_logprobs[1:] == pytest.approx(a.token_logprobs[1:], abs=1e-5)  # type: ignore[index]
+
+
+def test_tokens_that_split_a_character_keep_their_bytes_and_offsets(
+    client: openai.OpenAI, server: Server
+) -> None:
+    """The byte-level tokenizer splits "🦩" into four tokens and "é" into two, each of which decodes
+    alone to U+FFFD. Their logprob tokens are ``bytes:\\xNN`` (as OpenAI writes them), distinct
+    alternatives stay distinct keys, a character's pieces all start at its offset (offsets never go
+    back), and chat's ``bytes`` are the token's own."""
+    prompt = "a🦩é"
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None and lp.top_logprobs
+    n = len(prompt.encode())
+    assert lp.tokens[:n] == [
+        "a",
+        "bytes:\\xf0",
+        "bytes:\\x9f",
+        "bytes:\\xa6",
+        "bytes:\\xa9",
+        "bytes:\\xc3",
+        "bytes:\\xa9",
+    ]
+    assert lp.text_offset[: n + 1] == [0, 1, 1, 1, 1, 2, 2, 3]  # the completion's first at len(prompt)
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) == 3 for top in lp.top_logprobs[1:])  # no two alternatives collide on U+FFFD
+    # chat: a token forced to 0xC3 (the first byte of "é") carries that byte, not U+FFFD's three
+    c3 = byte_tokenizer().convert_tokens_to_ids("Ã")  # 0xC3 in byte-level's alphabet
+    chat = httpx.post(
+        server.base_url + "/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "logit_bias": {str(c3): 100},
+        },
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    ).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in content] == [("bytes:\\xc3", [0xC3])]
+    alts = content[0]["top_logprobs"]
+    assert len({a["token"] for a in alts}) == 3 and all(a["bytes"] != [0xEF, 0xBF, 0xBD] for a in alts)
