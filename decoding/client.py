@@ -4,12 +4,13 @@ No torch here, as in ``decoding.params``: importing the gateway must not load th
 
 ``submit(request)`` either refuses at once, raising one of ``decoding.errors`` (``UnknownModel``,
 ``PromptTooLong``, ``EngineOverloaded``, ``EngineStopped``) or ``ValueError``
-(``decoding.errors.InvalidParameter``: an empty prompt, a bad logit_bias id), or returns the request's stream: one ``StepOutput`` per verification step (``token_ids`` accepted in
-that step; the last has ``finish_reason`` and ``stats``; the first has ``prompt_logprobs`` where
-the request's ``SamplingParams.prompt_logprobs`` asked for them). Because the refusal is raised by ``submit``
+(``decoding.errors.InvalidParameter``: an empty prompt, a bad logit_bias id), or returns the
+request's stream: one ``StepOutput`` per verification step (``token_ids`` accepted in that step; the
+last has ``finish_reason`` and ``stats``; the first has ``prompt_logprobs`` where the request's
+``SamplingParams.prompt_logprobs`` asked for them). Because the refusal is raised by ``submit``
 itself, a caller that submits before it answers never has to take back a 200. Closing the stream
-(``aclose``) before the last step aborts the request within one step; a stream must be closed or
-run to its end.
+(``aclose``) before the last step aborts the request within one step; a stream must be closed or run
+to its end.
 """
 
 from __future__ import annotations
