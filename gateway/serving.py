@@ -56,8 +56,11 @@ def to_job(
     """Limits and refusals that depend on the server's settings, then the backend-neutral job."""
     limits = settings.limits
     refused = UNSUPPORTED if isinstance(req, ChatCompletionRequest) else UNSUPPORTED + CHAT_ONLY
+    best_of = getattr(req, "best_of", None)
+    # best_of = n selects nothing (the n generated are the n returned): clients send best_of: 1
+    selects = best_of is not None and (isinstance(best_of, bool) or best_of != req.n)
     for name in refused:
-        if getattr(req, name, None) is not None:
+        if getattr(req, name, None) is not None and (name != "best_of" or selects):
             raise bad_request(f"The parameter '{name}' is not supported by this server.", param=name)
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {req.n}.", param="n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -302,6 +303,19 @@ def test_completion_errors(server: Server, headers: dict[str, str]) -> None:
         400,
         "suffix",
     )
+    # best_of = n selects nothing, so it is served (clients send best_of: 1); a selection is refused
+    ok = {"model": "tiny", "prompt": "a", "max_tokens": 2, "temperature": 0}
+    for best_of, n in ((1, 1), (2, 2), (1.0, 1)):
+        r = httpx.post(
+            server.base_url + "/completions",
+            json={**ok, "best_of": best_of, "n": n},
+            headers=headers,
+            timeout=30,
+        )
+        assert r.status_code == 200 and len(r.json()["choices"]) == n, r.text
+    for best_of in (2, True, "1"):
+        body = json.dumps({**ok, "best_of": best_of}).encode()
+        assert_error(post(server, "/completions", body, headers), 400, "best_of")
     for prompt in ([1, 259, 5], [[3], [100000]], [-1], [2**40]):  # the tiny vocabulary has 259 ids
         for stream in (False, True):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream}
