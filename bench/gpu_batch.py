@@ -118,6 +118,12 @@ def replay_engine(
     return e
 
 
+def draw_generator(n: int, i: int, draw: int) -> torch.Generator:
+    """The replay's generator for request ``i`` of ``n`` at repeat ``draw``: its first ``NEW + 16``
+    uniforms decide which positions ``corrupt`` keeps (bench.sim_controller --draws replays them)."""
+    return torch.Generator().manual_seed(1000 * n + i + 1_000_003 * draw)
+
+
 def corrupt(reference: list[int], acceptance: float, gen: torch.Generator) -> torch.Tensor:
     """``reference`` padded by 16, each position kept with probability ``acceptance``, else replaced."""
     ref = torch.tensor(reference + [0] * 16)
@@ -427,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         # ms of a 385 ms run, bench.probe_auto_fast 2026-12-04 03:27 UTC), and the repeats of one
         # draw re-time the same tail.
         for i, r in enumerate(reqs):
-            g = torch.Generator().manual_seed(1000 * len(reqs) + i + 1_000_003 * draw)
+            g = draw_generator(len(reqs), i, draw)
             engine.references[r.request_id] = corrupt(ref.get(i, [0] * NEW), ACCEPTANCE, g)
 
     def rehearse(

@@ -149,11 +149,13 @@ def simulate(
     seed: int = 0,
     collapse: float = 0.0,
     engine: Engine | None = None,
+    keeps: list[list[bool]] | None = None,
 ) -> Result:
     """N requests decoding ``new`` tokens each from a shared start (after their prefill).
     ``collapse``: past a position drawn per request (geometric, this mean) no draft is accepted, as
     in bench.gpu_batch's fast-mode auto, where the replay's reference parts at a bf16 tie.
-    ``engine``: one that ran before (its measured costs and acceptance carry over)."""
+    ``engine``: one that ran before (its measured costs and acceptance carry over). ``keeps``: each
+    request's kept positions, given (``replay_keeps``), not drawn."""
     rng = random.Random(seed)
     engine = engine or Engine({})
 
@@ -176,9 +178,9 @@ def simulate(
             ),
             _Draft() if mode != "off" else None,
             _Request(params),
-            keep(),
+            keeps[i] if keeps is not None else keep(),
         )
-        for _ in range(N)
+        for i in range(N)
     ]
     for s in seqs:
         if s.drafter is not None:
@@ -255,6 +257,26 @@ def spread(a: float, seeds: int, collapse: float) -> None:
         print(f"{N:4d} {min(r):7.3f} {statistics.median(r):7.3f} {max(r):7.3f} {statistics.pstdev(r):6.3f}")
 
 
+def draws(a: float, n_draws: int) -> None:
+    """On bench.gpu_batch's own acceptance draws (``draw_generator``: the positions its replay keeps
+    at each repeat), draw by draw: fixed k = 4 and auto against plain, each on a fresh engine."""
+    import torch
+
+    from bench.gpu_batch import NEW, draw_generator
+
+    print(f"acceptance {a}: bench.gpu_batch's draws 0..{n_draws - 1}, on(k=4) / off and auto / off per draw")
+    for N in (1, 2, 4, 8, 16):
+        keeps = [
+            [(torch.rand(NEW + 16, generator=draw_generator(N, i, d)) < a).tolist() for i in range(N)]
+            for d in range(n_draws)
+        ]
+        off = [simulate(N, "off", a, keeps=k).tps for k in keeps]
+        on = [simulate(N, "on", a, keeps=k).tps / o for k, o in zip(keeps, off, strict=True)]
+        auto = [simulate(N, "auto", a, keeps=k).tps / o for k, o in zip(keeps, off, strict=True)]
+        print(f"{N:4d} on  {' '.join(f'{x:.3f}' for x in on)}   median {statistics.median(on):.3f}")
+        print(f"     auto {' '.join(f'{x:.3f}' for x in auto)}   median {statistics.median(auto):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", type=float, default=0.8)
@@ -269,7 +291,17 @@ def main() -> None:
         action="store_true",
         help="auto / fixed k = 4 draw by draw (fresh engines, one draw each for both): its spread",
     )
+    ap.add_argument(
+        "--draws",
+        type=int,
+        default=0,
+        metavar="D",
+        help="bench.gpu_batch's first D acceptance draws, one by one",
+    )
     args = ap.parse_args()
+    if args.draws:
+        draws(args.a, args.draws)
+        return
     if args.spread:
         spread(args.a, args.seeds, args.collapse)
         return
