@@ -118,6 +118,40 @@ def replay_engine(
     return e
 
 
+class StepTrace:
+    """An engine's batched steps as its AsyncEngine drives them: per step the wall time since the
+    step before returned (the host's work between them included, as a server pays it) and the most
+    any row drafted in it (-1: a step that only prefilled). Wraps ``engine.step_batch`` on the
+    instance."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.steps: list[tuple[float, int]] = []
+        self.last: float | None = None
+        inner = engine.step_batch
+
+        def traced(seqs, prefill_budget=None, joining=False):  # type: ignore[no-untyped-def]
+            start = self.last if self.last is not None else time.perf_counter()
+            outs = inner(seqs, prefill_budget, joining)
+            self.last = time.perf_counter()
+            drafted = [o.drafted for o in outs if o is not None]
+            self.steps.append((self.last - start, max(drafted, default=-1)))
+            return outs
+
+        engine.step_batch = traced  # type: ignore[method-assign]
+
+    def start(self) -> None:
+        self.steps.clear()
+        self.last = None
+
+    def by_k(self) -> dict[int, list[float]]:
+        """{k: [steps, mean ms]}, k the most any row drafted in a step."""
+        out: dict[int, list[float]] = {}
+        for dt, k in self.steps:
+            n, mean = out.get(k, [0, 0.0])
+            out[k] = [n + 1, mean + (1e3 * dt - mean) / (n + 1)]
+        return dict(sorted(out.items()))
+
+
 def draw_generator(n: int, i: int, draw: int) -> torch.Generator:
     """The replay's generator for request ``i`` of ``n`` at repeat ``draw``: its first ``NEW + 16``
     uniforms decide which positions ``corrupt`` keeps (bench.sim_controller --draws replays them)."""
@@ -462,6 +496,7 @@ def main(argv: list[str] | None = None) -> None:
 
     R["engine"] = {}
     gc_pauses = GcPauses()
+    traces = {id(fast): StepTrace(fast), id(exact): StepTrace(exact)}
     for N in ns:
         # exact mode: every run's steps have one shape (all prompts in one prefill step, then decode
         # steps of all rows), so the off and speculative runs compute each row with the same kernels
@@ -511,6 +546,7 @@ def main(argv: list[str] | None = None) -> None:
                     stats: dict[str, RequestStats] = {}
                     before = (frames_compiled(), graphs_held())
                     gc_pauses.pauses.clear()
+                    traces[id(engine)].start()
                     t_sub, chunks, outs, _ = asyncio.run(
                         run_requests(ae, reqs, hold=engine is exact, stats=stats)
                     )
@@ -524,6 +560,7 @@ def main(argv: list[str] | None = None) -> None:
                     s["gc_full"] = sum(g == 2 for g, _ in gc_pauses.pauses)
                     s["tokens_per_step"] = s.get("tokens", 0) / max(1, sum(len(c) for c in chunks.values()))
                     s["k_steps"] = k_steps(stats.values())
+                    s["steps_by_k"] = traces[id(engine)].by_k()
                     runs.append((s, outs))
                 # the median run's numbers; every run's outputs are checked, the worst one reported
                 tps = [r[0].get("aggregate_tps", 0.0) for r in runs]
@@ -537,6 +574,7 @@ def main(argv: list[str] | None = None) -> None:
                         "ttft_p50_ms": r[0].get("ttft_p50_ms"),
                         "tokens_per_step": r[0].get("tokens_per_step"),
                         "k_steps": r[0].get("k_steps"),
+                        "steps_by_k": r[0].get("steps_by_k"),
                         "stall_ms": r[0].get("stall_ms"),
                         "compiled_in_run": r[0].get("compiled_in_run"),
                         "captured_in_run": r[0].get("captured_in_run"),
