@@ -242,11 +242,10 @@ class CompletionFormat(_Formatter):
         self, index: int, entries: list[LogprobEntry] | None, prompt: PromptLogprobs | None = None
     ) -> CompletionLogprobs | None:
         """The choice's logprobs object: ``prompt``'s tokens, then ``entries``. Offsets are where each
-        token starts in the choice's text: the prompt's from 0, by their lengths summed (as vLLM
-        counts them; they add up to the echo unless a character is split across tokens, each piece
-        decoding as U+FFFD), the completion's from the end of the echo, or, where the text carries
-        its own echo (a remote upstream's), on from the prompt's tokens. A token holding part of a
-        character starts where that character does."""
+        token starts in the choice's text, in characters: the prompt's from 0, by the characters
+        each token completes (they add up to the echo; a token holding part of a character starts
+        where that character does), the completion's from the end of the echo, or, where the text
+        carries its own echo (a remote upstream's), on from the prompt's tokens."""
         if entries is None and prompt is None:
             return None
         lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
