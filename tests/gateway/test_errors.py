@@ -61,7 +61,7 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         "image part",
         b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
         400,
-        None,
+        "messages[0].content",
     ),
     (
         "max_tokens as string",
@@ -239,6 +239,14 @@ def test_null_is_the_default(server: Server, headers: dict[str, str]) -> None:
     assert_error(
         post(server, "/chat/completions", b'{"model": "tiny", "messages": null}', headers), 400, "messages"
     )
+
+
+def test_a_non_text_part_is_named(server: Server, headers: dict[str, str]) -> None:
+    part = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    body = ok_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
+    r = httpx.post(server.base_url + "/chat/completions", json=body, headers=headers, timeout=30)
+    err = assert_error(r, 400, "messages[0].content")
+    assert "'input_audio'" in err["message"] and "not supported" in err["message"]
 
 
 def test_unknown_fields_are_ignored(server: Server, headers: dict[str, str]) -> None:
