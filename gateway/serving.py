@@ -62,6 +62,10 @@ def to_job(
     for name in refused:
         if getattr(req, name, None) is not None and (name != "best_of" or selects):
             raise bad_request(f"The parameter '{name}' is not supported by this server.", param=name)
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM refuse it
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
+        )
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {req.n}.", param="n")
     limit = req.token_limit

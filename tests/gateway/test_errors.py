@@ -214,7 +214,7 @@ def test_null_is_the_default(server: Server, headers: dict[str, str]) -> None:
     )
     r = httpx.post(
         server.base_url + "/chat/completions",
-        json=ok_chat(temperature=0, stream_options={"include_usage": None}, **nulls),
+        json=ok_chat(temperature=0, stream_options=None, **nulls),
         headers=headers,
         timeout=30,
     )
@@ -252,11 +252,25 @@ def test_a_non_text_part_is_named(server: Server, headers: dict[str, str]) -> No
 def test_unknown_fields_are_ignored(server: Server, headers: dict[str, str]) -> None:
     r = httpx.post(
         server.base_url + "/chat/completions",
-        json=ok_chat(something_new=1, stream_options={"x": 1}),
+        json=ok_chat(something_new=1, stream=True, stream_options={"x": 1, "include_usage": None}),
         headers=headers,
         timeout=30,
     )
-    assert r.status_code == 200
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"usage":{' not in r.text
+
+
+def test_stream_options_need_a_stream(server: Server, headers: dict[str, str]) -> None:
+    """OpenAI (and vLLM) refuse stream_options on a request that does not stream."""
+    for stream in (False, None):
+        body = ok_chat(stream=stream, stream_options={"include_usage": True})
+        r = httpx.post(server.base_url + "/chat/completions", json=body, headers=headers, timeout=30)
+        assert_error(r, 400, "stream_options")
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    assert_error(
+        httpx.post(server.base_url + "/completions", json=body, headers=headers, timeout=30),
+        400,
+        "stream_options",
+    )
 
 
 def test_unknown_model(server: Server, headers: dict[str, str]) -> None:
