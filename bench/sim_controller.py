@@ -33,11 +33,16 @@ from decoding.drafters import DraftModelDrafter
 from decoding.engine import Engine
 from decoding.params import RequestStats, SamplingParams
 
-# H200, Qwen2.5-7B-shaped target / 0.5B-shaped draft, bf16, compiled, graphs (bench.probe_batch):
-# seconds per target step by (batch, width) in exact mode (every row padded to 9), and per draft pass
-# by batch.
-H200_TARGET_EXACT = {1: 5.04e-3, 4: 5.2e-3, 16: 5.9e-3, 32: 9.5e-3, 64: 16.0e-3}
-H200_DRAFT = {1: 1.33e-3, 4: 1.41e-3, 16: 1.45e-3, 64: 1.60e-3}
+# H200, Qwen2.5-7B-shaped target / 0.5B-shaped draft, bf16, compiled, graphs: seconds per target
+# step by batch in exact mode (every row padded to 9), and per draft pass by batch. From the steps
+# bench.gpu_batch traced on 2026-12-04 (10:37 and 10:43 UTC, `steps_by_k`): a plain exact step's wall
+# time less HOST_S and LAUNCH_S below (4.47 / 4.58 / 15.0 ms at 1 / 4 / 64 rows; 16 and 32 from the
+# 10:08 run's inter-token p50), and a draft pass as the slope of a step's time over its k (k = 2..6
+# at N = 1 and 4, k = 4 against plain at N = 64). With them fixed k = 4 / off comes out within 1-2%
+# of the H200's on each of bench.gpu_batch's draws (`--draws`); the table before (2026-12-02, ~15%
+# dearer steps) gave speculation ~2.5% more than the device did.
+H200_TARGET_EXACT = {1: 3.97e-3, 4: 4.08e-3, 16: 5.03e-3, 32: 7.97e-3, 64: 14.5e-3}
+H200_DRAFT = {1: 1.15e-3, 4: 1.17e-3, 16: 1.22e-3, 64: 1.27e-3}
 # bench.gpu_batch at N = 1 (docs/benchmarks.md): plain exact decode 5.56 ms a token against 5.04 ms of
 # graph, so about 0.5 ms of host per step (read-back, commit, the next step's planning), of which
 # about 0.2 ms leaves the GPU idle inside a timed phase (the host launching its first kernel). The
