@@ -129,15 +129,20 @@ class ChatFormat(_Formatter):
             calls[piece.index]["function"]["arguments"] += piece.arguments
 
     def details(self, gen: Generation) -> dict[str, int] | None:
-        """Predicted Outputs: prediction tokens verification accepted, and those it rejected (drafted
-        and not kept: the target computed them in vain, which is what OpenAI bills them for)."""
-        if not self.prediction:
-            return None
+        """OpenAI's breakdown, sent on every chat completion as OpenAI sends it (zeros where nothing
+        applies): no reasoning or audio tokens here; with Predicted Outputs, the prediction tokens
+        verification accepted, and those it rejected (drafted and not kept: the target computed them
+        in vain, which is what OpenAI bills them for)."""
         spec = gen.speculative or {}
-        used = spec.get("drafter") == "prediction"
+        used = self.prediction and spec.get("drafter") == "prediction"
         accepted = int(spec.get("accepted_tokens", 0)) if used else 0
         drafted = int(spec.get("drafted_tokens", 0)) if used else 0
-        return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
+        return {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
 
     def _tool_chunks(self, d: Delta) -> list[str]:
         """One chunk per call opening (index, id, type, name, arguments "") and one per run of a

@@ -259,7 +259,11 @@ def test_predicted_outputs_are_lossless_and_reported_in_usage(client) -> None:
         details is not None and details.accepted_prediction_tokens and details.accepted_prediction_tokens > 0
     )
     assert details.rejected_prediction_tokens is not None
-    assert base.usage is not None and base.usage.completion_tokens_details is None
+    # without a prediction the breakdown is OpenAI's zeros, not null
+    assert base.usage is not None and base.usage.completion_tokens_details is not None
+    assert base.usage.completion_tokens_details.model_dump(exclude_none=True) == dict.fromkeys(
+        ("reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens"), 0
+    )
     assert r.usage is not None and r.usage.model_extra["speculative"]["drafter"] == "prediction"  # type: ignore[index]
 
 
