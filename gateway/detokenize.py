@@ -130,15 +130,18 @@ def _raw_bytes(piece: str) -> bytes | None:
     return None
 
 
-def token_texts(tok: object, ids: list[int]) -> dict[int, str]:
-    """Each id's text as logprobs show it: the token decoded alone, or, where that is not whole
+def token_texts(tok: object, ids: list[int], skip_special: bool = False) -> dict[int, str]:
+    """Each id's text as logprobs show it: the token decoded alone (a special token as "" with
+    ``skip_special``, as a completion's text leaves it out), or, where that is not whole
     UTF-8 (part of a character split across tokens, which decodes to U+FFFD), ``bytes:\\xNN...`` with
     its raw bytes, as OpenAI writes such tokens. ``logprob_bytes`` reads either back to the token's
     bytes, so a client can rebuild the characters; distinct pieces of one character stay distinct
     (they were all U+FFFD)."""
     distinct = sorted(set(ids))
     decode = tok.batch_decode  # type: ignore[attr-defined]
-    texts = decode([[t] for t in distinct], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    texts = decode(
+        [[t] for t in distinct], skip_special_tokens=skip_special, clean_up_tokenization_spaces=False
+    )
     out = dict(zip(distinct, (str(t) for t in texts), strict=True))
     split = [t for t in distinct if REPLACEMENT in out[t]]
     if split:

@@ -295,7 +295,9 @@ def _logprobs(tok: Tokenizer, step: StepOutput, used: int) -> list[LogprobEntry]
         return None
 
     used_lps = step.logprobs[:used]
-    text = token_texts(tok, [t for lp in used_lps for t in (lp.token_id, *(t for t, _ in lp.top))])
+    # special tokens as "": the text they are logprobs of leaves them out (IncrementalDetokenizer)
+    ids = [t for lp in used_lps for t in (lp.token_id, *(t for t, _ in lp.top))]
+    text = token_texts(tok, ids, skip_special=True)
     return [LogprobEntry(text[lp.token_id], lp.logprob, [(text[t], v) for t, v in lp.top]) for lp in used_lps]
 
 

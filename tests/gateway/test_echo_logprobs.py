@@ -178,3 +178,17 @@ def test_tokens_that_split_a_character_keep_their_bytes_and_offsets(
     assert [(c["token"], c["bytes"]) for c in content] == [("bytes:\\xc3", [0xC3])]
     alts = content[0]["top_logprobs"]
     assert len({a["token"] for a in alts}) == 3 and all(a["bytes"] != [0xEF, 0xBF, 0xBD] for a in alts)
+
+
+def test_a_special_token_the_text_leaves_out_moves_no_offset(client: openai.OpenAI) -> None:
+    """A completion's text leaves special tokens out, so its logprobs show one as "" and the offsets
+    after it stay within the text (they ran 12 characters past it for <|im_start|>)."""
+    start = byte_tokenizer().convert_tokens_to_ids("<|im_start|>")
+    r = client.completions.create(
+        model="tiny", prompt="ab", max_tokens=3, temperature=0, echo=True, logprobs=1,
+        logit_bias={str(start): 100},
+    )  # fmt: skip
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+    assert lp.tokens[2:] == ["", "", ""] and "<|im_start|>" not in text and text == "ab"
+    assert lp.text_offset == [0, 1, 2, 2, 2]
