@@ -174,14 +174,16 @@ class ToolCallParser:
 
     def flush(self) -> tuple[str, list[ToolCallDelta]]:
         """End of output: a plain-JSON head that never completed is content; a tagged call whose
-        head never completed falls back to a whole-body parse."""
+        head never completed falls back to a whole-body parse, and where that finds no call and the
+        body is the start of a JSON object, it was a call cut short (max_tokens, a stop string),
+        which goes nowhere: OpenAI never puts a call's markup in content."""
         content: list[str] = []
         calls: list[ToolCallDelta] = []
         if self.state == "lead":
             self.state = "content"
             self._run(content, calls)
         if self.state == "head":
-            self._fallback(self.buf, content, calls)
+            self._fallback(self.buf, content, calls, cut=self.buf.lstrip(_WS).startswith("{"))
         elif self.state == "content":
             self._content_text(self.buf, content)
             content.append(self.spaces)
@@ -351,7 +353,7 @@ class ToolCallParser:
         self.state = "lead" if another and self.parallel else "content"
         return True
 
-    def _fallback(self, body: str, content: list[str], calls: list[ToolCallDelta]) -> None:
+    def _fallback(self, body: str, content: list[str], calls: list[ToolCallDelta], cut: bool = False) -> None:
         try:
             call = json.loads(body)
         except ValueError:
@@ -364,5 +366,5 @@ class ToolCallParser:
             calls.append(ToolCallDelta(self.calls, args))
             self.calls += 1
             self.spoken = False
-        else:  # not a call after all: the text goes out as it came
+        elif not cut:  # not a call after all: the text goes out as it came
             self._content_text(OPEN + body, content)

@@ -100,6 +100,20 @@ def test_a_tagged_call_whose_arguments_are_no_object_is_no_call(value: str) -> N
         assert calls == [] and content.startswith('<tool_call>{"name": "f"'), size
 
 
+def test_a_tagged_call_cut_before_its_name_leaves_no_markup_in_content() -> None:
+    """max_tokens cutting a call before its name ends: the cut call goes nowhere (OpenAI never puts
+    a call's markup in content), and the calls before it stand; an unclosed tag before prose stays
+    the text it was."""
+    done = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+    for cut in ('<tool_call>\n{"', '<tool_call>\n{"name": "', "<tool_call>\n{"):
+        for size in (1, 3, 100):
+            text = done + cut
+            content, calls, _ = parse([text[i : i + size] for i in range(0, len(text), size)], ["f"])
+            assert content == "" and calls == [("f", '{"a": 1}')], (cut, size)
+    content, calls, _ = parse(["<tool_call> maybe later"], ["f"])
+    assert calls == [] and content == "<tool_call> maybe later"
+
+
 def test_grammars() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert grammar_for(None, tools, "none", True) is None
