@@ -323,9 +323,16 @@ class Engine:
 
     @staticmethod
     def prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
-        """The prompt tokens each prefilling sequence feeds this step, first come first served."""
+        """The prompt tokens each prefilling sequence feeds this step: the fewest left first (first
+        come first served among equals). First come first served alone, a short prompt that arrived
+        while a long one was being prefilled waited for all of its chunks: on the 2-core EPYC a
+        34-token chat request's first token came 42.8 s after it was sent, behind a 3,000-token
+        prompt's 64-token chunks. Fewest-left-first gives it the next step, and the long prompt the
+        rest of that step's budget; the long one waits at most a step for each prompt admitted
+        beside it (``limits.max_active`` of them at once), each of which then decodes."""
         chunks = []
-        for s in prefilling:
+        order = sorted(prefilling, key=lambda s: len(s.tokens) - 1 - s.runner.length)  # stable
+        for s in order:
             todo = len(s.tokens) - 1 - s.runner.length
             n = todo if budget is None else min(todo, max(budget, 0))
             if s.prompt_logprobs is not None:

@@ -288,7 +288,8 @@ async def test_step_observers_see_each_batched_step(tiny_models):
 
     reqs = [
         request(tiny_models, PROMPTS[1] * 3, "draft", k=3, max_tokens=10),
-        request(tiny_models, PROMPTS[4], "off", max_tokens=6),
+        # long enough to be decoding still when the long prompt, prefilled after it, joins it
+        request(tiny_models, PROMPTS[4], "off", max_tokens=40),
     ]
     ae = AsyncEngine(Engine(tiny_models), max_active=2, prefill_budget=16)
     seen: list[BatchStep] = []
@@ -300,7 +301,7 @@ async def test_step_observers_see_each_batched_step(tiny_models):
         ae.shutdown()
     assert [finish for _, finish in results] == [FinishReason.LENGTH] * 2
     assert all(s.model == "tiny" for s in seen)
-    assert sum(s.tokens for s in seen) == 16  # every token of both requests, counted once
+    assert sum(s.tokens for s in seen) == 50  # every token of both requests, counted once
     assert max(s.rows for s in seen) == 2 and max(s.drafted for s in seen) > 0
     assert any(s.prefilling and s.rows for s in seen)  # a prompt chunk beside a decoding row
     # the long prompt's 16-token chunks before its last, which gives its first token
@@ -798,3 +799,21 @@ def test_steps_to_end_releases_each_row_as_it_ends_and_the_rest_when_left(tiny_m
     assert pool.free_slots == pool.slots - len(reqs)
     steps.close()  # left early: every row still running is released
     assert pool.free_slots == pool.slots
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_ones_chunks():
+    """Prompt chunks go to the prompts with the fewest tokens left first (first come first served
+    among equals): a short prompt admitted while a long one is being prefilled takes the next step,
+    the long one the rest of its budget."""
+
+    class Seq:
+        def __init__(self, prompt: int, done: int) -> None:
+            self.tokens = [0] * (prompt + 1)  # the prompt and the token its prefill predicts
+            self.runner = type("R", (), {"length": done})()
+            self.prompt_logprobs = None
+
+    long, short, other = Seq(3000, 640), Seq(34, 0), Seq(34, 0)
+    assert [(s, n) for s, n in Engine.prefill_chunks([long, short], 64)] == [(short, 34), (long, 30)]
+    assert Engine.prefill_chunks([long, other, short], 64) == [(other, 34), (short, 30)]  # ties: in order
+    assert Engine.prefill_chunks([long], 64) == [(long, 64)]
+    assert Engine.prefill_chunks([long, short], None) == [(short, 34), (long, 2360)]
