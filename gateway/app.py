@@ -147,12 +147,14 @@ async def ready(request: Request) -> Response:
 
 
 def _model_ids(state: GatewayState) -> list[str]:
-    """The served models; while they load, the configured ones (what loading gives, or the process
-    stops): a client listing or retrieving a model at start-up sees it, and its requests get 503
-    "loading" with Retry-After, not a 404 "does not exist" for a model that is on its way."""
-    if state.backend is not None:
-        return state.backend.model_ids()
-    return sorted(m.name for m in state.settings.models)
+    """The served models, and the names the router serves (``auto``, upstream models); while the
+    local ones load, the configured ones (what loading gives, or the process stops): a client
+    listing or retrieving a model at start-up sees it, and its requests get 503 "loading" with
+    Retry-After, not a 404 "does not exist" for a model that is on its way."""
+    local = (
+        state.backend.model_ids() if state.backend is not None else [m.name for m in state.settings.models]
+    )
+    return sorted({*local, *state.router.router.names()})
 
 
 async def list_models(request: Request) -> Response:

@@ -83,6 +83,12 @@ class Router:
     def is_routed(self, model: str) -> bool:
         return model in self._aliases
 
+    def names(self) -> set[str]:
+        """The `model` values served beyond the local models: the aliases routed by complexity
+        (``auto`` always) and the upstreams' models. ``/v1/models`` lists them, so a client that
+        offers what the list holds (a chat UI's model picker) offers the router too."""
+        return self._aliases | set(self._upstream_by_model)
+
     def tier_for(self, score: float) -> TierSettings:
         if not self.settings.enabled:
             return self.settings.tiers[-1]

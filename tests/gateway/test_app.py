@@ -156,7 +156,7 @@ async def test_not_ready_while_loading() -> None:
         r = await c.post("/v1/chat/completions", json={"model": "x", "messages": MSGS})
         assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "loading"
         assert (await c.get("/health")).status_code == 200
-        names = sorted(m.name for m in app.state.gateway.settings.models)
+        names = sorted({"auto", *(m.name for m in app.state.gateway.settings.models)})
         r = await c.get("/v1/models")  # the configured models, on their way
         assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == names
         assert (await c.get(f"/v1/models/{names[0]}")).json()["id"] == names[0]

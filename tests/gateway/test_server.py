@@ -24,8 +24,9 @@ def aclient(server: Server) -> openai.AsyncOpenAI:
 
 
 def test_models(client: openai.OpenAI) -> None:
-    assert sorted(m.id for m in client.models.list()) == ["tiny", "tiny-draft"]
-    assert client.models.retrieve("tiny").id == "tiny"
+    # the router's alias is listed as the models are: a model picker offers it
+    assert sorted(m.id for m in client.models.list()) == ["auto", "tiny", "tiny-draft"]
+    assert client.models.retrieve("tiny").id == "tiny" and client.models.retrieve("auto").id == "auto"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
 
