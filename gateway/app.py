@@ -22,6 +22,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -45,6 +46,8 @@ log = logging.getLogger("specgate.gateway")
 
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# response headers a browser client may read (CORS): ours, and Retry-After on 429/503
+EXPOSED = "x-request-id, x-specgate-route, x-specgate-cache, retry-after"
 
 
 def tenant_of(key: str) -> str:
@@ -71,17 +74,37 @@ class GatewayMiddleware:
         scope.setdefault("state", {})["request_id"] = rid
         started = False
 
+        origin = sent.get(b"origin", b"").decode("latin-1")
+        allowed = self.state.settings.server.cors_allow_origins
+        cors = bool(origin) and ("*" in allowed or origin in allowed)
+
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                MutableHeaders(scope=message)["x-request-id"] = rid
+                headers = MutableHeaders(scope=message)
+                headers["x-request-id"] = rid
+                if cors and "access-control-allow-origin" not in headers:
+                    # this middleware's own answers (401, 503 draining, 500) pass no CORSMiddleware:
+                    # a browser client may read them too
+                    headers["access-control-allow-origin"] = "*" if "*" in allowed else origin
+                    headers["access-control-expose-headers"] = EXPOSED
             await send(message)
 
         path = scope["path"]
-        inference = path in INFERENCE_PATHS
+        # a browser's CORS preflight carries no key: CORSMiddleware (inside this one) answers it
+        preflight = (
+            scope["method"] == "OPTIONS"
+            and b"origin" in sent
+            and b"access-control-request-method" in sent
+            and bool(self.state.settings.server.cors_allow_origins)
+        )
+        inference = path in INFERENCE_PATHS and not preflight
         try:
-            scope["state"]["tenant"] = self._tenant(path, sent.get(b"authorization", b""))
+            if preflight:
+                scope["state"]["tenant"] = "anonymous"
+            else:
+                scope["state"]["tenant"] = self._tenant(path, sent.get(b"authorization", b""))
             if inference and self.state.draining:
                 raise unavailable(
                     "The server is shutting down; retry on another replica.",
@@ -357,6 +380,14 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, APIError: _api_error},
     )
+    if settings.server.cors_allow_origins:  # inside GatewayMiddleware: its answers get x-request-id
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.server.cors_allow_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=EXPOSED.split(", "),
+        )
     app.add_middleware(GatewayMiddleware, state=state)
     obs.install(app)  # outermost: sees every response, auth failures and x-request-id included
     app.state.gateway = state

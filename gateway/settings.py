@@ -45,6 +45,9 @@ class ServerSettings(_Section):
     header_timeout_s: float = Field(default=10.0, gt=0)
     # ...and one whose body has not fully arrived this long after its headers: 408, connection closed
     body_timeout_s: float = Field(default=30.0, gt=0)
+    # Origins a browser may call the API from (CORS), as vLLM's --allowed-origins: every one by
+    # default, since the API authenticates by bearer key, never by cookie; [] turns CORS off
+    cors_allow_origins: list[str] = Field(default_factory=lambda: ["*"])
 
 
 class ModelSettings(_Section):

@@ -273,3 +273,40 @@ async def test_disconnect_stops_generation(tiny_engine: AsyncEngine, stream: boo
     await asyncio.wait_for(task, 10)
     await _steps_stop_moving(tiny_engine)
     assert tiny_engine.total_steps - steps_at_hangup < 50  # far from the 400 it was asked for
+
+
+async def test_cors_lets_a_browser_call_the_api() -> None:
+    """A preflight needs no key and gets x-request-id; the API's answers, its 401 included, carry
+    Access-Control-Allow-Origin; ``server.cors_allow_origins: []`` turns it off."""
+    on = load_settings(overrides={"auth": {"api_keys": ["sk-a"]}, "cache": {"enabled": False}}, env={})
+    origin = {"origin": "https://chat.example"}
+    preflight = {**origin, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}  # fmt: skip
+    async with client(create_app(on)) as c:
+        r = await c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"] and r.headers["x-request-id"]
+        r = await c.get("/v1/models", headers={**origin, "authorization": "Bearer sk-a"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "x-request-id" in r.headers["access-control-expose-headers"]
+        r = await c.get("/v1/models", headers=origin)  # no key: the 401 is readable too
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        r = await c.get("/v1/models", headers={"authorization": "Bearer sk-a"})  # no Origin: no CORS
+        assert "access-control-allow-origin" not in r.headers
+    off = load_settings(overrides={"server": {"cors_allow_origins": []}, "cache": {"enabled": False}}, env={})
+    async with client(create_app(off)) as c:
+        r = await c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+        r = await c.get("/v1/models", headers=origin)
+        assert "access-control-allow-origin" not in r.headers
+    listed = load_settings(
+        overrides={"server": {"cors_allow_origins": ["https://chat.example"]}, "cache": {"enabled": False}},
+        env={},
+    )
+    async with client(create_app(listed)) as c:
+        ok = await c.options("/v1/chat/completions", headers=preflight)
+        other = await c.options(
+            "/v1/chat/completions", headers={**preflight, "origin": "https://evil.example"}
+        )
+        assert ok.headers["access-control-allow-origin"] == "https://chat.example"
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
