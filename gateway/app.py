@@ -97,7 +97,7 @@ class GatewayMiddleware:
             scope["method"] == "OPTIONS"
             and b"origin" in sent
             and b"access-control-request-method" in sent
-            and bool(self.state.settings.server.cors_allow_origins)
+            and bool(allowed)
         )
         inference = path in INFERENCE_PATHS and not preflight
         try:
