@@ -27,6 +27,8 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+import torch
+
 from decoding.batch_controller import BatchCosts
 from decoding.controller import SpecController, expected_tokens
 from decoding.drafters import DraftModelDrafter
@@ -160,7 +162,7 @@ def simulate(
     ``collapse``: past a position drawn per request (geometric, this mean) no draft is accepted, as
     in bench.gpu_batch's fast-mode auto, where the replay's reference parts at a bf16 tie.
     ``engine``: one that ran before (its measured costs and acceptance carry over). ``keeps``: each
-    request's kept positions, given (``replay_keeps``), not drawn."""
+    request's kept positions, given (``draws``: bench.gpu_batch's own), not drawn."""
     rng = random.Random(seed)
     engine = engine or Engine({})
 
@@ -265,9 +267,7 @@ def spread(a: float, seeds: int, collapse: float) -> None:
 def draws(a: float, n_draws: int) -> None:
     """On bench.gpu_batch's own acceptance draws (``draw_generator``: the positions its replay keeps
     at each repeat), draw by draw: fixed k = 4 and auto against plain, each on a fresh engine."""
-    import torch
-
-    from bench.gpu_batch import NEW, draw_generator
+    from bench.gpu_batch import NEW, draw_generator  # (the GPU benchmark's module: only here)
 
     print(f"acceptance {a}: bench.gpu_batch's draws 0..{n_draws - 1}, on(k=4) / off and auto / off per draw")
     for N in (1, 2, 4, 8, 16):

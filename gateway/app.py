@@ -89,6 +89,8 @@ class GatewayMiddleware:
                     # a browser client may read them too
                     headers["access-control-allow-origin"] = "*" if "*" in allowed else origin
                     headers["access-control-expose-headers"] = EXPOSED
+                    if "*" not in allowed:  # the answer names the origin: caches must key on it
+                        headers.add_vary_header("Origin")
             await send(message)
 
         path = scope["path"]

@@ -300,7 +300,11 @@ async def test_cors_lets_a_browser_call_the_api() -> None:
         r = await c.get("/v1/models", headers=origin)
         assert "access-control-allow-origin" not in r.headers
     listed = load_settings(
-        overrides={"server": {"cors_allow_origins": ["https://chat.example"]}, "cache": {"enabled": False}},
+        overrides={
+            "server": {"cors_allow_origins": ["https://chat.example"]},
+            "auth": {"api_keys": ["sk-a"]},  # the gateway's own 401 names the origin, and Vary says so
+            "cache": {"enabled": False},
+        },
         env={},
     )
     async with client(create_app(listed)) as c:
@@ -310,3 +314,8 @@ async def test_cors_lets_a_browser_call_the_api() -> None:
         )
         assert ok.headers["access-control-allow-origin"] == "https://chat.example"
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        r = await c.get("/v1/models", headers={"origin": "https://chat.example", "authorization": "Bearer x"})
+        assert (
+            r.headers["access-control-allow-origin"] == "https://chat.example"
+            and "Origin" in r.headers["vary"]
+        )
