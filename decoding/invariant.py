@@ -25,7 +25,9 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+from decoding import layers
 from decoding.layers import Ops
 
 try:
@@ -49,6 +51,7 @@ class LinearConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    split: int = 1  # slices of K summed in a second kernel, in slice order (``skinny_config``)
 
 
 @functools.cache
@@ -78,15 +81,17 @@ if triton is not None:
         X,  # [M, K]
         Wt,  # [N, K]
         Bias,  # [N] (unused without HAS_BIAS)
-        Y,  # [M, N]
+        Y,  # [M, N]; with SPLIT, float32 partial sums [S, M, N] (contiguous)
         M,
         N,
         K,
         sx_m,
         sw_n,
         sy_m,
+        K_SPLIT,  # K positions a split covers (a multiple of BLOCK_K); K without SPLIT
         HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -94,18 +99,22 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         grid_m = tl.cdiv(M, BLOCK_M)
+        grid_n = tl.cdiv(N, BLOCK_N)
         # M tiles of one N tile are neighbours, so they share its weights through L2
         pid_m = pid % grid_m
-        pid_n = pid // grid_m
+        pid_n = (pid // grid_m) % grid_n
+        pid_s = pid // (grid_m * grid_n)  # 0 without SPLIT
+        k_lo = pid_s * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
-        x_ptr = X + rm[:, None] * sx_m + rk[None, :]  # [BLOCK_M, BLOCK_K]
-        w_ptr = Wt + rn[None, :] * sw_n + rk[:, None]  # [BLOCK_K, BLOCK_N]
+        x_ptr = X + rm[:, None] * sx_m + (k_lo + rk)[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptr = Wt + rn[None, :] * sw_n + (k_lo + rk)[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptr, mask=m_ok[:, None], other=0.0)
                 w = tl.load(w_ptr, mask=n_ok[None, :], other=0.0)
@@ -116,13 +125,33 @@ if triton is not None:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
             x_ptr += BLOCK_K
             w_ptr += BLOCK_K
+        out = m_ok[:, None] & n_ok[None, :]
+        if SPLIT:  # this slice of K's partial sums, added up in slice order by _split_sum_kernel
+            tl.store(Y + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=out)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(Y + rm[:, None] * sy_m + rn[None, :], acc.to(Y.dtype.element_ty), mask=out)
+
+    @triton.jit
+    def _split_sum_kernel(
+        P,  # [S, M * N] float32 partial sums
+        Bias,  # [N] (unused without HAS_BIAS)
+        Y,  # [M * N] contiguous
+        MN,
+        N,
+        S: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < MN
+        acc = tl.load(P + i, mask=ok, other=0.0)
+        for s in tl.static_range(1, S):  # in slice order: an element's sum is the same whatever M is
+            acc += tl.load(P + s * MN + i, mask=ok, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            Y + rm[:, None] * sy_m + rn[None, :],
-            acc.to(Y.dtype.element_ty),
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+            acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rms_norm_kernel(
@@ -152,6 +181,12 @@ if triton is not None:
     "specgate::linear", mutates_args=(), schema="(Tensor x, Tensor w, Tensor? bias) -> Tensor"
 )
 def _linear_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _launch(x, w, bias, linear_config(w.shape[0], x.shape[-1], x.dtype))
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, c: LinearConfig) -> torch.Tensor:
+    """x @ w.T (+ bias) with tile ``c``: one kernel, or with ``c.split`` > 1 a kernel of partial
+    sums over that many slices of K and a second that adds them up in slice order."""
     K = x.shape[-1]
     N = w.shape[0]
     assert w.shape[1] == K and x.dtype == w.dtype, (
@@ -165,21 +200,26 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    c = linear_config(N, K, x.dtype)
-    grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n),)
+    k_split = _k_split(K, c)
+    S = triton.cdiv(K, k_split)
+    split = S > 1
+    out = torch.empty(S, M, N, dtype=torch.float32, device=x.device) if split else y
+    grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n) * S,)
     _linear_kernel[grid](
         x2,
         w,
         bias if bias is not None else w,
-        y,
+        out,
         M,
         N,
         K,
         x2.stride(0),
         w.stride(0),
         y.stride(0),
+        k_split,
         HAS_BIAS=bias is not None,
         EVEN_K=K % c.block_k == 0,
+        SPLIT=split,
         BLOCK_M=c.block_m,
         BLOCK_N=c.block_n,
         BLOCK_K=c.block_k,
@@ -187,7 +227,26 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
+    if split:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, block),)](
+            out,
+            bias if bias is not None else w,
+            y,
+            M * N,
+            N,
+            S=S,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
     return y.view(*x.shape[:-1], N)
+
+
+def _k_split(K: int, c: LinearConfig) -> int:
+    """K positions one of ``c.split`` slices covers: whole blocks of BLOCK_K (the last slice may be
+    short, and fewer slices may be needed than asked); K itself without a split."""
+    blocks = -(-K // c.block_k)
+    return -(-blocks // c.split) * c.block_k if c.split > 1 else K
 
 
 @_linear_op.register_fake
@@ -244,3 +303,59 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 OPS = Ops(linear, rms_norm)  # the layer's reductions in exact mode on CUDA (decoding.layers.Ops)
+
+
+# ---- split K for the long-K projections of small models (fast and plain exact mode) -------------
+#
+# cuBLAS, run without split-K as the engine asks (decoding.static.without_split_k, which keeps its
+# GEMMs M-invariant), covers a weight of N outputs with about N / 64 tiles, whatever K is. A small
+# model's down projection is long in K and narrow in N: the 0.5B draft's [896, 4864] runs on 14 of the
+# H200's 132 SMs, 12-14 us at 1-5 rows for 8.7 MB of weight, the largest of the draft's per-layer costs.
+# Here K is split into a fixed number of slices (a function of N, K and the device's SM count, never
+# of M) whose float32 partial sums are added up in slice order, so a row's bits still do not depend
+# on the rows beside it: 6.8 us there, and the 1.5B's [1536, 8960] 23 -> 11 us at 1 row. Measured on
+# the H200 (bench.probe_skinny_split, docs/benchmarks.md); wider weights (the 7B's [3584, 18944] with
+# 56 tiles, every q/k/v and o) stay faster on cuBLAS and keep it.
+
+
+def split_slices(N: int, K: int, sms: int) -> int:
+    """Slices of K for a weight [N, K] (1: no split, cuBLAS): a long-K weight (K >= 4N) whose 64-wide
+    output tiles fill at most a quarter of the SMs gets about one program per SM."""
+    tiles = -(-N // 64)
+    if K < 4 * N or 4 * tiles > sms:
+        return 1
+    return max(2, min(sms // tiles, K // 64))
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@torch.library.custom_op(
+    "specgate::linear_split_k", mutates_args=(), schema="(Tensor x, Tensor w, Tensor? bias) -> Tensor"
+)
+def _linear_split_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    N, K = w.shape
+    S = split_slices(N, K, _sms(x.device.index or 0))
+    return _launch(x, w, bias, LinearConfig(64, 64, 64, 4, 4, S))
+
+
+@_linear_split_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def split_k_ops(device: torch.device) -> Ops:
+    """The layer's ops for fast and plain exact mode on CUDA: torch's, but a long-K weight's matmul
+    split as above. The choice is per weight shape, so every role a model serves in (target, draft)
+    and every batch meets the same kernels."""
+    sms = _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+    def split_k_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        N, K = w.shape
+        if x.dtype == torch.float32 or split_slices(N, K, sms) == 1:
+            return F.linear(x, w, bias)
+        return torch.ops.specgate.linear_split_k(x, w, bias)
+
+    return Ops(split_k_linear, layers.rms_norm)

@@ -156,7 +156,14 @@ class StaticModel(PooledSlots):
         # exact mode: a graph step holds at least this many rows (padding to the scratch slot), so a
         # batch that shrinks below it keeps its GEMMs' M and with it cuBLAS's kernel choice (step_shape)
         self.exact_min_rows = 1
-        self.ops: Ops = invariant.OPS if self.batch_invariant else TORCH_OPS
+        # else torch's, with a small model's long-K projections split on CUDA (invariant.split_k_ops)
+        self.ops: Ops = (
+            invariant.OPS
+            if self.batch_invariant
+            else invariant.split_k_ops(self.device)
+            if invariant.available(self.device)
+            else TORCH_OPS
+        )
         self._free = FreeSlots(slots)
         # short rows attend straight from the pool with one Triton kernel where it runs (CUDA):
         # no gather, no mask, no graph per attended length, and batch-invariant (decoding/kernels.py)

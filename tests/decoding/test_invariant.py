@@ -109,3 +109,47 @@ def test_the_ops_compute_the_same_bits_compiled_and_in_a_cuda_graph():
     graph.replay()
     assert torch.equal(out, eager)
     assert torch.equal(out[:9], f(x[:9]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", [(896, 4864), (128, 600), (100, 1000)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_linear_gives_a_row_the_same_bits_at_every_batch_size(dtype, N, K, bias):
+    """Fast mode's split of a long-K weight (the 0.5B's down projection; a K that BLOCK_K does not
+    divide; an N that 64 does not): a row's sum over the slices does not depend on the other rows."""
+    assert invariant.split_slices(N, K, invariant._sms(0)) > 1
+    linear = invariant.split_k_ops(DEVICE).linear
+    gen = torch.Generator().manual_seed(N + K)
+    x = _randn(max(MS) + 7, K, dtype=dtype, gen=gen)
+    w = _randn(N, K, dtype=dtype, gen=gen) / K**0.5
+    b = _randn(N, dtype=dtype, gen=gen) if bias else None
+    full = linear(x, w, b)
+    for M in MS:
+        assert torch.equal(linear(x[:M], w, b), full[:M]), f"rows 0..{M} alone"
+        assert torch.equal(linear(x[7 : 7 + M], w, b), full[7 : 7 + M]), f"rows 7..{7 + M}"
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert _close(full, ref) < 1e-2
+
+
+def test_split_k_ops_compute_the_same_bits_compiled_and_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(5)
+    ops = invariant.split_k_ops(DEVICE)
+    x = _randn(9, 256, dtype=torch.bfloat16, gen=gen)
+    w_up = _randn(1024, 256, dtype=torch.bfloat16, gen=gen) / 16  # wide: cuBLAS
+    w_down = _randn(256, 1024, dtype=torch.bfloat16, gen=gen) / 32  # long K: split
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(F.silu(ops.linear(x, w_up)), w_down)
+
+    eager = f(x)
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), eager)
+    static_x = x.clone()
+    for _ in range(2):
+        compiled(static_x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(static_x)
+    graph.replay()
+    assert torch.equal(out, eager)
+    assert torch.equal(out[:1], f(x[:1]))

@@ -212,6 +212,19 @@ def test_biases_the_static_layer_does_not_apply_are_refused(tiny_models):
         StaticModel(model, max_len=64, slots=1, graphs=False)
 
 
+def test_only_a_small_models_long_k_weights_are_split_and_never_by_the_batch():
+    """decoding.invariant.split_slices, on the H200's 132 SMs: the shapes bench.probe_skinny_split
+    measured faster split (the 0.5B's and the 1.5B's down projections) and those it measured faster on
+    cuBLAS (the 0.5B's q/k/v, o and lm_head, the 7B's down projection)."""
+    from decoding.invariant import split_slices
+
+    assert split_slices(896, 4864, 132) == 9  # 14 tiles: about one program per SM
+    assert split_slices(1536, 8960, 132) == 5
+    for N, K in [(1152, 896), (896, 896), (151936, 896), (3584, 18944), (4608, 3584)]:
+        assert split_slices(N, K, 132) == 1, (N, K)
+    assert split_slices(64, 256, 132) == 4  # never more slices than 64-wide blocks of K
+
+
 def test_without_split_k_asks_cublas_for_no_workspace_unless_the_environment_sizes_one(monkeypatch):
     """The loader calls it before a CUDA model's first matmul (decoding.static.NO_SPLIT_K says why);
     a workspace the operator configured is theirs to keep."""
