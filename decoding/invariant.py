@@ -250,7 +250,7 @@ def _k_split(K: int, c: LinearConfig) -> int:
 
 
 @_linear_op.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_shape(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
@@ -341,9 +341,7 @@ def _linear_split_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return _launch(x, w, bias, LinearConfig(64, 64, 64, 4, 4, S))
 
 
-@_linear_split_op.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], w.shape[0])
+_linear_split_op.register_fake(_linear_shape)
 
 
 def split_k_ops(device: torch.device) -> Ops:
