@@ -154,11 +154,17 @@ class LocalBuckets:
         with self._lock:
             self._bucket("tokens", key, tpm, self._now()).level -= tokens
 
+    def refund(self, key: str, rpm: int) -> None:
+        with self._lock:
+            b = self._bucket("requests", key, rpm, self._now())
+            b.level = min(b.capacity, b.level + 1)
+
 
 # The same buckets as LocalBuckets.admit, atomically in Redis, on the server's clock (gateways'
 # clocks differ). KEYS: requests bucket, tokens bucket. ARGV: rpm, tpm (0: no such limit), and
-# "charge": 1 to deduct a request when admitted; a tokens-only call (ARGV[4] > 0) deducts that many
-# tokens unconditionally (a finished response's usage). A bucket is a hash {level, stamp} that
+# "charge": 1 to deduct a request when admitted, -1 to give one back (a request the gateway failed
+# to serve); a tokens-only call (ARGV[4] > 0) deducts that many tokens unconditionally (a finished
+# response's usage). A bucket is a hash {level, stamp} that
 # expires once it would be full again, so idle tenants cost no memory. Returns wait, levels.
 _LUA = """
 local t = redis.call('TIME')
@@ -173,7 +179,7 @@ local function store(key, cap, level)
   redis.call('HSET', key, 'level', tostring(level), 'stamp', tostring(now))
   redis.call('EXPIRE', key, math.ceil((cap - level) * 60 / cap) + 1)
 end
-local rpm, tpm, charge, spend = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1', tonumber(ARGV[4])
+local rpm, tpm, charge, spend = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local wait, rl, tl = 0, -1, -1
 if tpm > 0 then
   tl = load(KEYS[2], tpm)
@@ -187,7 +193,8 @@ end
 if rpm > 0 then
   rl = load(KEYS[1], rpm)
   if rl < 1 then wait = math.max(wait, (1 - rl) * 60 / rpm) end
-  if wait == 0 and charge then rl = rl - 1 end
+  if charge < 0 then rl = math.min(rpm, rl + 1)
+  elseif wait == 0 and charge > 0 then rl = rl - 1 end
   store(KEYS[1], rpm, rl)
 end
 return {tostring(wait), tostring(rl), tostring(tl)}
@@ -232,6 +239,9 @@ class RedisBuckets:
     async def charge(self, key: str, tpm: int, tokens: int) -> None:
         await self._run(key, 0, tpm, 0, tokens)
 
+    async def refund(self, key: str, rpm: int) -> None:
+        await self._run(key, rpm, 0, -1, 0)
+
     async def aclose(self) -> None:
         await self.client.aclose()
 
@@ -271,6 +281,18 @@ class RateLimiter:
                 headers=headers,
             )
         return headers
+
+    async def refund(self, key: str) -> None:
+        """Give back the request ``admit`` charged, for one the gateway failed to serve (overloaded,
+        stopping, no backend up: a 5xx): a client retrying after Retry-After should not then meet a
+        429 for requests that were never served. Client errors (4xx) keep their charge."""
+        if self.rpm is None:
+            return
+        if self.shared is not None:
+            with contextlib.suppress(LimitsUnavailable):
+                await self.shared.refund(key, self.rpm)
+                return
+        self.local.refund(key, self.rpm)
 
     def charge_tokens(self, key: str, tokens: int) -> None:
         """A finished response's tokens. Called from the response's last callback, so the Redis

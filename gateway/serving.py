@@ -265,8 +265,10 @@ async def _serve(
     state: GatewayState = request.app.state.gateway
     settings = state.settings
     retry = settings.limits.retry_after_s
+    admitted = False
     try:
         headers = await state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
+        admitted = state.limiter.enabled
         body = await read_body(request, settings.limits.max_body_bytes)
         try:
             req = schema.model_validate_json(body)
@@ -293,7 +295,10 @@ async def _serve(
             decision, gen = await route.start()
             headers["x-specgate-route"] = decision.header_value()  # after any fallback
     except Exception as exc:
-        return error_response(to_api_error(exc, prompt_param, retry))
+        error = to_api_error(exc, prompt_param, retry)
+        if admitted and error.status >= 500:  # the gateway's failure: the request is not the client's to pay
+            await state.limiter.refund(request.state.tenant)
+        return error_response(error)
 
     def charge() -> None:
         note_usage(gen.prompt_tokens, fmt.completion_tokens)

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.errors import UnknownModel
+from decoding.errors import EngineOverloaded, UnknownModel
 from decoding.params import FinishReason, GenerationRequest, RequestStats, StepOutput, TokenLogprob
 from decoding.tiny import byte_tokenizer
 
@@ -37,6 +37,7 @@ class ScriptedEngine:
     script: list[list[int]]
     fail: str | None = None
     delay: float = 0.0
+    overloaded: int = 0  # the first this many submits are refused as the real engine's full queue is
     requests: list[GenerationRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -65,6 +66,9 @@ class ScriptedEngine:
 
     def submit(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
         self.engine.model(request.model)  # the refusal comes from submit itself
+        if self.overloaded:
+            self.overloaded -= 1
+            raise EngineOverloaded(0)
         self.requests.append(request)
         return self._steps(request)
 

@@ -57,6 +57,29 @@ async def test_two_gateways_share_one_request_limit(redis_url: str) -> None:
             await app.state.gateway.limiter.aclose()
 
 
+async def test_an_overloaded_503_gives_the_shared_request_back(redis_url: str) -> None:
+    prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
+    s = load_settings(
+        overrides={
+            "limits": {"rpm": 1},
+            "cache": {"enabled": False, "redis_url": redis_url, "key_prefix": prefix, **UNHURRIED_REDIS},
+        },
+        env={},
+    )
+    full = create_app(s, engine=ScriptedEngine([token_ids("a")], overloaded=3))  # type: ignore[arg-type]
+    a = gateway(redis_url, prefix, rpm=1)
+    try:
+        for _ in range(3):
+            assert (await post(full)).status_code == 503
+        level = redis.Redis.from_url(redis_url).hget(f"{prefix}:rl:{{anonymous}}:requests", "level")
+        assert level is None or float(level) >= 1  # every charge given back
+        assert (await post(a)).status_code == 200  # the other replica still has the minute's request
+        assert (await post(full)).status_code == 429
+    finally:
+        for app in (full, a):
+            await app.state.gateway.limiter.aclose()
+
+
 async def test_tokens_spent_on_one_gateway_count_on_the_other(redis_url: str) -> None:
     prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
     a, b = gateway(redis_url, prefix, tpm=30), gateway(redis_url, prefix, tpm=30)
