@@ -130,18 +130,15 @@ class ChatFormat(_Formatter):
 
     def details(self, gen: Generation) -> dict[str, int] | None:
         """OpenAI's breakdown, sent on every chat completion as OpenAI sends it (zeros where nothing
-        applies): no reasoning or audio tokens here; with Predicted Outputs, the prediction tokens
-        verification accepted, and those it rejected (drafted and not kept: the target computed them
-        in vain, which is what OpenAI bills them for)."""
-        spec = gen.speculative or {}
-        used = self.prediction and spec.get("drafter") == "prediction"
-        accepted = int(spec.get("accepted_tokens", 0)) if used else 0
-        drafted = int(spec.get("drafted_tokens", 0)) if used else 0
+        applies): no reasoning or audio tokens here; with Predicted Outputs, the prediction's tokens
+        that appear in the completion and those that do not (``local.prediction_found``; every
+        choice's, summed). A remote backend's own figures are not passed through: zeros."""
+        spec = (gen.speculative or {}) if self.prediction else {}
         return {
             "reasoning_tokens": 0,
             "audio_tokens": 0,
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": drafted - accepted,
+            "accepted_prediction_tokens": int(spec.get("prediction_accepted", 0)),
+            "rejected_prediction_tokens": int(spec.get("prediction_rejected", 0)),
         }
 
     def _tool_chunks(self, d: Delta) -> list[str]:

@@ -13,8 +13,9 @@ not).
 from __future__ import annotations
 
 import asyncio
+import difflib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 
 from decoding.client import EngineClient, StepStream, Tokenizer
 from decoding.errors import EngineStopped
@@ -181,6 +182,7 @@ class LocalBackend:
         names = [t["function"]["name"] for t in job.tools or []]  # tool-call text -> tool_calls deltas
         calls = ToolCallParser(names, job.parallel_tool_calls is not False) if job.calls_tools else None
         seen = RequestStats(prompt_tokens=len(req.prompt_token_ids))
+        returned: list[int] = []  # the completion's token ids as the client gets them (to a stop)
         try:
             step = await steps.__anext__()
             while True:
@@ -214,6 +216,8 @@ class LocalBackend:
                         "stop" if matcher.stopped or step.finish_reason == FinishReason.STOP else "length"
                     )
                 seen.completion_tokens += used
+                if req.prediction is not None:
+                    returned += step.token_ids[:used]
                 lps = _logprobs(tok, step, used)
                 for delta in _split(index, texts, lps, used, job.granularity):
                     if calls is not None:
@@ -230,6 +234,10 @@ class LocalBackend:
                     queue.put_nowait(Delta(index, "", None, finish, 0))
                     final = step.stats if step.finish_reason is not None and step.stats else seen
                     final.completion_tokens = seen.completion_tokens
+                    if req.prediction is not None:
+                        found = await asyncio.to_thread(prediction_found, req.prediction, returned)
+                        final.prediction_accepted = found
+                        final.prediction_rejected = len(req.prediction) - found
                     stats.append(final)
                     break
                 step = await steps.__anext__()
@@ -275,10 +283,30 @@ def _observe(stats: RequestStats, step: StepOutput) -> None:
     stats.record_step(step.drafted, step.accepted, 0.0)
 
 
+def prediction_found(prediction: Sequence[int], output: Sequence[int]) -> int:
+    """Tokens of ``prediction`` that appear in ``output`` in order (difflib's matching blocks, the
+    standard library's diff): OpenAI's accepted prediction tokens, the rest being rejected ones.
+    Counted on the returned output rather than on what speculation happened to verify, so the figure
+    is the same streamed or not, whatever k the controller chose, and for any drafter."""
+    if not prediction or not output:
+        return 0
+    blocks = difflib.SequenceMatcher(None, prediction, output, autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks)
+
+
 def merge_stats(parts: list[RequestStats]) -> RequestStats:
     out = RequestStats(drafter=parts[0].drafter if parts else "none")
     for s in parts:
-        for name in ("prompt_tokens", "completion_tokens", "steps", "spec_steps", "drafted", "accepted"):
+        for name in (
+            "prompt_tokens",
+            "completion_tokens",
+            "steps",
+            "spec_steps",
+            "drafted",
+            "accepted",
+            "prediction_accepted",
+            "prediction_rejected",
+        ):
             setattr(out, name, getattr(out, name) + getattr(s, name))
         out.spec_disabled_steps += s.spec_disabled_steps
         for i, (d, a) in enumerate(zip(s.drafted_by_position, s.accepted_by_position, strict=True)):

@@ -16,6 +16,7 @@ import pytest
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
 from gateway.app import create_app, tenant_of
+from gateway.local import prediction_found
 from gateway.settings import Settings, load_settings
 from tests.gateway.fakes import ScriptedEngine, token_ids
 
@@ -65,6 +66,41 @@ async def test_token_granularity_one_chunk_per_token() -> None:
         chunks = [json.loads(d) for d in sse_data((await c.post("/v1/completions", json=body)).text)[:-1]]
         assert [ch["choices"][0]["text"] for ch in chunks] == ["abc", "de", ""]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_prediction_tokens_are_counted_on_the_returned_completion_streamed_or_not() -> None:
+    """OpenAI's accepted / rejected prediction tokens: the prediction's tokens found in the completion
+    (in order) and the rest, the same streamed and unstreamed. The completion's tokens are those
+    completion_tokens counts, up to the stop string's last (the text leaves the stop string out, the
+    token counts do not), so the prediction's tokens after it count as rejected. No prediction: zeros."""
+    engine = ScriptedEngine([token_ids("hello wo"), token_ids("rld STOP more")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    body = {
+        "model": "fake",
+        "messages": MSGS,
+        "stop": [" STOP"],
+        "prediction": {"type": "content", "content": "hello there world STOP more"},
+    }
+    async with client(app) as c:
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        assert whole["choices"][0]["message"]["content"] == "hello world"
+        details = whole["usage"]["completion_tokens_details"]
+        # "hello " and "world STOP" (16 bytes) of the prediction's 27 are in the completion's tokens
+        assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (16, 11)
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        last = json.loads(sse_data((await c.post("/v1/chat/completions", json=stream)).text)[-2])
+        assert last["usage"]["completion_tokens_details"] == details
+        plain = {k: v for k, v in body.items() if k != "prediction"}
+        zeros = (await c.post("/v1/chat/completions", json=plain)).json()["usage"][
+            "completion_tokens_details"
+        ]
+        assert zeros["accepted_prediction_tokens"] == zeros["rejected_prediction_tokens"] == 0
+
+
+def test_prediction_found_counts_matching_tokens_in_order() -> None:
+    assert prediction_found([1, 2, 3, 4, 5], [1, 2, 9, 4, 5, 6]) == 4
+    assert prediction_found([3, 2, 1], [1, 2, 3]) == 1  # in order: one of them
+    assert prediction_found([7, 7], []) == 0 and prediction_found([], [1]) == 0
 
 
 async def test_engine_fault_mid_stream_is_one_error_event_then_done() -> None:
@@ -133,6 +169,25 @@ async def test_rate_limits_per_key() -> None:
         assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
         r = await c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer k2"})
         assert r.status_code == 200  # another key, another bucket
+
+
+async def test_a_request_the_gateway_could_not_serve_is_not_charged_to_the_key() -> None:
+    """A 503 (overloaded) gives back the request admit charged: the client retrying after
+    Retry-After gets served, not a 429 for requests that never ran. A 400 keeps its charge."""
+    s = load_settings(overrides={"limits": {"rpm": 1}, "cache": {"enabled": False}}, env={})
+    app = create_app(s, engine=ScriptedEngine([token_ids("ok")], overloaded=2))  # type: ignore[arg-type]
+    body = {"model": "fake", "messages": MSGS}
+    async with client(app) as c:
+        for _ in range(2):
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 429  # the one served request used the minute's one
+    app = create_app(s, engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+    async with client(app) as c:
+        assert (await c.post("/v1/chat/completions", json={"model": "fake"})).status_code == 400
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 429
 
 
 async def test_token_rate_limit() -> None:
