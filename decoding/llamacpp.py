@@ -172,6 +172,7 @@ class LlamaCppModel(PooledSlots):
         if not works:  # None: the check itself failed (amx_works said why)
             repack = amx = False
         mp.use_extra_bufts = repack
+        self.kv_type = kv_type
         self.held = "amx" if amx else "repacked" if repack else "plain"  # a key of EXACT_STEP and HELD
         self.exact_step = EXACT_STEP[self.held]
         self.model = lib.llama_model_load_from_file(str(path).encode(), mp)

@@ -232,7 +232,12 @@ def load_llamacpp(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         with contextlib.suppress(OSError, ValueError):
             generation = GenerationConfig.from_pretrained(where)
     max_context = serving_context(spec, config)
-    llama = LlamaCppModel(path, max_len=max_context, slots=spec.slots)
+    # exact mode (unless `exact: false`): a q8_0 KV cache and capped target steps, so that greedy
+    # speculation is bit-exact (decoding/llamacpp.py). Off, llama.cpp's own f16 cache and target rows
+    # batched freely: a long prompt prefills faster (2,048 tokens in 43 against 60 s on an AVX2-only
+    # EPYC, docs/benchmarks.md), and speculation is target-only's up to rounding ties
+    exact = spec.exact is not False
+    llama = LlamaCppModel(path, max_len=max_context, slots=spec.slots, kv_type="q8_0" if exact else "f16")
     info = GGUFInfo(llama, config, generation)
     log.info(
         "loaded %s from %s on llama.cpp (%d threads, %d slots of %d tokens) in %.1fs",
@@ -250,7 +255,7 @@ def load_llamacpp(spec: ModelSpec, pull: bool = True) -> LoadedModel:
         draft=spec.draft,
         max_context=max_context,
         eos_token_ids=_eos_ids(info, tokenizer),
-        runner_factory=llama.runner,
+        runner_factory=llama.runner if exact else functools.partial(llama.runner, exact=False),
         draft_runner_factory=llama.draft_runner,
     )
 

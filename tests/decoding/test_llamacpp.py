@@ -205,6 +205,28 @@ def test_batched_engine_steps_match_each_request_alone(pair):
 
 
 @needs_llamacpp
+@pytest.mark.parametrize("exact", [None, False])
+@pytest.mark.slow
+@needs_llamacpp
+def test_exact_mode_is_the_default_and_off_takes_llamacpps_own_cache(exact):
+    """Unset, a llama.cpp target runs exact (q8_0 cache, steps capped); ``exact: false`` takes
+    llama.cpp's f16 cache (faster long prefill) and uncapped, freely batched target rows."""
+    _need_pair()
+    m = loader.load_llamacpp(
+        ModelSpec("t", PAIR[0], backend="llamacpp", slots=1, max_context=256, exact=exact), pull=False
+    )
+    runner = m.runner_factory(m.model)
+    try:
+        on = exact is None
+        assert runner.exact is on and runner.m.kv_type == ("q8_0" if on else "f16")
+        assert (runner.max_step_tokens is not None) is on
+        ids = _chat(m.tokenizer, ["Say hi."])
+        assert runner.forward(torch.tensor(ids)) is not None  # a prompt decodes on either cache
+    finally:
+        runner.release()
+        runner.m.close()
+
+
 def test_llamacpp_backend_needs_a_gguf_and_a_cpu():
     with pytest.raises(ModelLoadError, match="GGUF"):
         loader.load(ModelSpec("x", "tiny-random", backend="llamacpp"))
