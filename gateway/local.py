@@ -287,7 +287,9 @@ def prediction_found(prediction: Sequence[int], output: Sequence[int]) -> int:
     """Tokens of ``prediction`` that appear in ``output`` in order (difflib's matching blocks, the
     standard library's diff): OpenAI's accepted prediction tokens, the rest being rejected ones.
     Counted on the returned output rather than on what speculation happened to verify, so the figure
-    is the same streamed or not, whatever k the controller chose, and for any drafter."""
+    is the same streamed or not, whatever k the controller chose, and for any drafter. Without
+    autojunk, which would drop a short vocabulary's common tokens from the match: ~0.2 s for 4,000
+    tokens each of varied text and ~1 s over 20 distinct tokens (this 2-core EPYC), off the loop."""
     if not prediction or not output:
         return 0
     blocks = difflib.SequenceMatcher(None, prediction, output, autojunk=False).get_matching_blocks()
