@@ -112,6 +112,9 @@ class Generation:
     # (Delta.prompt_logprobs), which the streamed echo waits for
     echo_logprobs: bool = False
     speculative: dict[str, Any] | None = None  # filled by the backend once every choice finished
+    # Predicted Outputs: (accepted, rejected) prediction tokens of every choice, once they finished
+    # (gateway.local.prediction_found); kept with a cached answer, so a replay reports them too
+    prediction_tokens: tuple[int, int] | None = None
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self.deltas

@@ -132,13 +132,14 @@ class ChatFormat(_Formatter):
         """OpenAI's breakdown, sent on every chat completion as OpenAI sends it (zeros where nothing
         applies): no reasoning or audio tokens here; with Predicted Outputs, the prediction's tokens
         that appear in the completion and those that do not (``local.prediction_found``; every
-        choice's, summed). A remote backend's own figures are not passed through: zeros."""
-        spec = (gen.speculative or {}) if self.prediction else {}
+        choice's, summed; a cached answer's as first counted). A remote backend's own figures are not
+        passed through: zeros."""
+        accepted, rejected = (gen.prediction_tokens or (0, 0)) if self.prediction else (0, 0)
         return {
             "reasoning_tokens": 0,
             "audio_tokens": 0,
-            "accepted_prediction_tokens": int(spec.get("prediction_accepted", 0)),
-            "rejected_prediction_tokens": int(spec.get("prediction_rejected", 0)),
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": rejected,
         }
 
     def _tool_chunks(self, d: Delta) -> list[str]:

@@ -161,7 +161,10 @@ class LocalBackend:
                 else:
                     assert isinstance(item, Delta)
                     yield item
-            gen.speculative = merge_stats(stats).as_dict()
+            merged = merge_stats(stats)
+            gen.speculative = merged.as_dict()
+            if job.prediction is not None:
+                gen.prediction_tokens = (merged.prediction_accepted, merged.prediction_rejected)
         finally:
             for p in pumps:
                 p.cancel()

@@ -26,6 +26,7 @@ class CachedResponse:
     prompt_tokens: int
     completion_tokens: int
     created: int = 0  # unix seconds of the generation that produced it (informational)
+    prediction_tokens: tuple[int, int] | None = None  # Predicted Outputs' (accepted, rejected), if any
 
     @property
     def storable(self) -> bool:
@@ -38,6 +39,7 @@ class CachedResponse:
                 "p": self.prompt_tokens,
                 "n": self.completion_tokens,
                 "t": self.created,
+                **({"q": list(self.prediction_tokens)} if self.prediction_tokens else {}),
             },
             separators=(",", ":"),
             ensure_ascii=False,
@@ -49,7 +51,9 @@ class CachedResponse:
         raw = zlib.decompress(blob[1:]) if blob[:1] == b"z" else blob
         d = json.loads(raw)
         choices = tuple(CachedChoice(int(i), str(t), str(f), tc) for i, t, f, tc in d["c"])
-        return cls(choices, int(d["p"]), int(d["n"]), int(d.get("t", 0)))
+        q = d.get("q")
+        prediction = (int(q[0]), int(q[1])) if q else None
+        return cls(choices, int(d["p"]), int(d["n"]), int(d.get("t", 0)), prediction)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,9 @@ class CacheLookup:
             for i, c in enumerate(r.choices):  # per-choice counts are not stored: the total goes first
                 yield Delta(c.index, c.text, None, c.finish_reason, r.completion_tokens if i == 0 else 0)
 
-        return Generation(prompt_tokens=prompt_tokens, deltas=deltas())
+        gen = Generation(prompt_tokens=prompt_tokens, deltas=deltas())
+        gen.prediction_tokens = r.prediction_tokens
+        return gen
 
     def store(self, fmt: _Folded, gen: Generation) -> None:
         """Store a generation that ran to its last delta (callers skip errors and disconnects; the
@@ -87,7 +89,9 @@ class CacheLookup:
         choices = tuple(
             CachedChoice(i, t, f or "") for i, (t, f) in enumerate(zip(fmt.texts, fmt.finish, strict=True))
         )
-        response = CachedResponse(choices, gen.prompt_tokens, fmt.completion_tokens)
+        response = CachedResponse(
+            choices, gen.prompt_tokens, fmt.completion_tokens, prediction_tokens=gen.prediction_tokens
+        )
         self.cache.store_later(self.query, response)
 
 

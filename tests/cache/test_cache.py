@@ -53,6 +53,8 @@ async def test_hit_carries_the_stored_response(make_cache: MakeCache) -> None:
     hit = await cache.lookup(q)
     assert hit is not None and hit.response == resp and header_value(hit) == "exact; similarity=1.0000"
     assert header_value(None) == "miss"
+    kept = CachedResponse((CachedChoice(0, "x", "stop"),), 3, 4, 7, prediction_tokens=(5, 2))
+    assert CachedResponse.from_bytes(kept.to_bytes()) == kept  # Predicted Outputs' counts travel with it
 
 
 async def test_semantic_hit_on_paraphrase(make_cache: MakeCache) -> None:

@@ -95,6 +95,16 @@ async def test_prediction_tokens_are_counted_on_the_returned_completion_streamed
             "completion_tokens_details"
         ]
         assert zeros["accepted_prediction_tokens"] == zeros["rejected_prediction_tokens"] == 0
+    # an answer replayed from the response cache reports the counts of the generation it keeps
+    cached = create_app(load_settings(env={}), engine=ScriptedEngine(engine.script))  # type: ignore[arg-type]
+    greedy = {**body, "temperature": 0}  # the cache keeps deterministic answers
+    async with client(cached) as c:
+        first = await c.post("/v1/chat/completions", json=greedy)
+        await cached.state.gateway.cache.cache.drain()
+        again = await c.post("/v1/chat/completions", json=greedy)
+        assert again.headers["x-specgate-cache"].startswith("exact")
+        assert again.json()["usage"]["completion_tokens_details"] == details
+        assert first.json()["usage"]["completion_tokens_details"] == details
 
 
 def test_prediction_found_counts_matching_tokens_in_order() -> None:
