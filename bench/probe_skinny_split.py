@@ -1,10 +1,13 @@
 """Device probe: the M-invariant split-K Triton matmul (decoding.invariant, ``LinearConfig.split``)
-against cuBLAS without split-K, on the draft's and the target's weight shapes, for several tiles.
+against cuBLAS without split-K, on the q/k/v, o and down projections of the 0.5B draft, the 7B target
+and the 1.5B (the real pair's target), for several tiles.
 
     python -m bench.probe_skinny_split
 
 For each shape and tile, device microseconds per product at each M (a graph of 20 products), and
-whether row 0's bits are the same at every M (the property fast mode's identity rests on).
+whether every row's bits are the same at every M (the property fast mode's identity rests on). Run on
+the H200 on 2026-12-04 (docs/benchmarks.md): it chose the tile of ``decoding.invariant.split_k_ops``
+and the shapes ``split_slices`` splits.
 """
 
 from __future__ import annotations
