@@ -32,11 +32,15 @@ def tensorrt_runner_factory(model: Any, max_context: int, slots: int) -> Any:
     torch_tensorrt = _require_tensorrt()
     import torch
 
+    from decoding.layers import TORCH_OPS
     from decoding.static import StaticModel
 
     if model.device.type != "cuda":
         raise ModelLoadError(f"backend 'tensorrt' needs a CUDA device, not {model.device}")
     static = StaticModel(model, max_len=max_context, slots=slots, graphs=False)
+    # torch's matmuls for TensorRT to compile, not the split-K Triton op (decoding.invariant.split_k_ops),
+    # which it would leave to PyTorch as an island between engines (never run here: no TensorRT)
+    static.ops = TORCH_OPS
     eager_step = static.step_one
 
     compiled: dict[int, object] = {}
