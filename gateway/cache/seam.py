@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from opentelemetry import trace
 
-from gateway.backends import Delta, Generation, Job
+from gateway.backends import Delta, Generation, Job, ToolCallDelta
 from gateway.cache.cache import CacheMetrics, ResponseCache
 from gateway.cache.query import CacheControlError, CacheQuery
 from gateway.cache.response import CachedChoice, CachedResponse, CacheHit, header_value
@@ -33,6 +34,18 @@ from gateway.errors import bad_request
 
 # Job fields that are not generation parameters: identity, transport, and the lossless speculation.
 _NOT_PARAMS = ("request_id", "kind", "model", "messages", "prompts", "spec", "granularity", "tenant", "user")
+
+
+def replay_calls(calls: list[dict[str, Any]]) -> list[ToolCallDelta]:
+    """A cached choice's tool calls as the deltas that first produced them (each call's opening, then
+    its arguments whole), under fresh ids: an id names one call of one response, and a client that
+    asks the same question twice in a conversation must not get two calls with one id."""
+    out: list[ToolCallDelta] = []
+    for i, call in enumerate(calls):
+        fn = call["function"]
+        out.append(ToolCallDelta(i, "", f"call_{uuid.uuid4().hex[:24]}", fn["name"]))
+        out.append(ToolCallDelta(i, fn["arguments"]))
+    return out
 
 
 class _Folded(Protocol):
@@ -75,7 +88,12 @@ class CacheLookup:
 
         async def deltas() -> AsyncIterator[Delta]:
             for i, c in enumerate(r.choices):  # per-choice counts are not stored: the total goes first
-                yield Delta(c.index, c.text, None, c.finish_reason, r.completion_tokens if i == 0 else 0)
+                tokens = r.completion_tokens if i == 0 else 0
+                if c.tool_calls:  # as the backend sends them: text, the calls, then the finish
+                    yield Delta(c.index, c.text, None, None, tokens, replay_calls(c.tool_calls))
+                    yield Delta(c.index, "", None, c.finish_reason, 0)
+                else:
+                    yield Delta(c.index, c.text, None, c.finish_reason, tokens)
 
         gen = Generation(prompt_tokens=prompt_tokens, deltas=deltas())
         gen.prediction_tokens = r.prediction_tokens
@@ -86,8 +104,10 @@ class CacheLookup:
         cache itself refuses choices without a stop/length finish)."""
         if self.query is None or self.hit is not None:
             return
+        calls = getattr(fmt, "calls", None) or [None] * len(fmt.texts)  # a chat formatter's, per choice
         choices = tuple(
-            CachedChoice(i, t, f or "") for i, (t, f) in enumerate(zip(fmt.texts, fmt.finish, strict=True))
+            CachedChoice(i, t, f or "", c or None)
+            for i, (t, f, c) in enumerate(zip(fmt.texts, fmt.finish, calls, strict=True))
         )
         response = CachedResponse(
             choices, gen.prompt_tokens, fmt.completion_tokens, prediction_tokens=gen.prediction_tokens

@@ -282,3 +282,39 @@ async def test_a_fenced_call_through_the_gateway_streamed_and_not(name: str) -> 
         assert whole["message"]["content"] == text and whole["finish_reason"] == "stop"
         assert "tool_calls" not in whole["message"]
         assert (content, names, finish) == (text, [], "stop")
+
+
+async def test_a_cached_answer_replays_its_tool_calls_under_new_ids() -> None:
+    """The response cache kept only the text: a repeated tool-calling request came back with no
+    tool_calls (finish_reason tool_calls and nothing to call), streamed or not."""
+    ids = token_ids(f"{TWO_CALLS}<END>")
+    engine = ScriptedEngine([ids[i : i + 5] for i in range(0, len(ids), 5)])
+    app = create_app(load_settings(env={}), engine=engine)  # type: ignore[arg-type]
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Two calls?"}],
+                            "tools": [add, WEATHER], "temperature": 0, "stop": ["<END>"]}  # fmt: skip
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        fresh = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        await app.state.gateway.cache.cache.drain()
+        r = await c.post("/v1/chat/completions", json=body)
+        raw = (await c.post("/v1/chat/completions", json={**body, "stream": True})).text
+    assert r.headers["x-specgate-cache"].startswith("exact")
+    cached = r.json()["choices"][0]
+    assert len(engine.requests) == 1  # both answers came from the cache
+    assert [tc["function"] for tc in cached["message"]["tool_calls"]] == [
+        tc["function"] for tc in fresh["message"]["tool_calls"]
+    ]
+    assert len(fresh["message"]["tool_calls"]) == 2 and cached["finish_reason"] == "tool_calls"
+    assert cached["message"]["content"] is None
+    assert not {tc["id"] for tc in cached["message"]["tool_calls"]} & {
+        tc["id"] for tc in fresh["message"]["tool_calls"]
+    }
+    chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    pieces = [tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])]
+    streamed = {}
+    for tc in pieces:
+        if "id" in tc:
+            streamed[tc["index"]] = {"name": tc["function"]["name"], "arguments": ""}
+        streamed[tc["index"]]["arguments"] += tc["function"]["arguments"]
+    assert list(streamed.values()) == [tc["function"] for tc in fresh["message"]["tool_calls"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
