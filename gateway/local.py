@@ -88,7 +88,13 @@ class LocalBackend:
         reqs = []
         for ids, _ in prompts:
             # no limit given: as many as fit, up to the server default (never a PromptTooLong for it)
-            max_tokens = job.max_tokens or max(1, min(self.default_max_tokens, context - len(ids)))
+            # max_tokens 0 (echo alone): one token is asked for and dropped (_pump), so that the prompt
+            # goes through the engine's one path to its logprobs
+            max_tokens = (
+                max(1, job.max_tokens)
+                if job.max_tokens is not None
+                else max(1, min(self.default_max_tokens, context - len(ids)))
+            )
             for j in range(job.n):
                 params = SamplingParams(
                     max_tokens=max_tokens,
@@ -195,6 +201,10 @@ class LocalBackend:
                         _prompt_logprobs, tok, req.prompt_token_ids, step.prompt_logprobs
                     )
                     queue.put_nowait(Delta(index, "", prompt_logprobs=scored))
+                if job.max_tokens == 0:  # echo alone: the prompt and its logprobs, no completion
+                    queue.put_nowait(Delta(index, "", None, "length", 0))
+                    stats.append(seen)
+                    break
                 finish: str | None = None
                 texts: list[str] = []
                 used = 0  # tokens of this step before (and including) the one completing a stop

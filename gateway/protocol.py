@@ -42,6 +42,8 @@ Int = Annotated[int, BeforeValidator(_integral)]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_integral)]
 Count = Annotated[int, Field(ge=1, le=INT64_MAX), BeforeValidator(_integral)]  # max_tokens, n
 TopK = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_integral)]
+# a completion's max_tokens: 0 is the legacy API's "score the prompt" (echo, logprobs, nothing generated)
+EchoCount = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_integral)]
 MaxK = Annotated[int, Field(ge=1, le=32), BeforeValidator(_integral)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
 LogprobCount = Annotated[int, Field(ge=0, le=5), BeforeValidator(_integral)]
@@ -235,6 +237,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int] | list[list[Int]]  # token ids: checked by serving._prompts
+    max_tokens: EchoCount | None = None  # 0 with echo only (serving.to_job)
     echo: bool = False
     logprobs: LogprobCount | None = None
     suffix: Any = None

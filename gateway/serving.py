@@ -69,6 +69,13 @@ def to_job(
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {req.n}.", param="n")
     limit = req.token_limit
+    if limit == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+        # echo with max_tokens 0 scores the prompt and generates nothing (lm-eval-harness's
+        # loglikelihood requests, as the legacy API and vLLM serve them); without echo there is nothing
+        raise bad_request(
+            "Invalid value for 'max_tokens': it must be at least 1, or 0 with echo (the prompt alone).",
+            param="max_tokens",
+        )
     if limit is not None and limit > limits.max_max_tokens:
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         raise bad_request(f"{param} must be at most {limits.max_max_tokens}, got {limit}.", param=param)

@@ -113,6 +113,33 @@ def test_prediction_found_counts_matching_tokens_in_order() -> None:
     assert prediction_found([7, 7], []) == 0 and prediction_found([], [1]) == 0
 
 
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing() -> None:
+    """The legacy API's prompt scoring (lm-eval-harness's loglikelihood requests): the prompt, its
+    logprobs, no completion tokens, streamed or not. max_tokens 0 without echo, or on chat, is a 400."""
+    engine = ScriptedEngine([token_ids("xyz"), token_ids("more")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    body = {"model": "fake", "prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 1}
+    async with client(app) as c:
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "abc" and choice["finish_reason"] == "length"
+        assert choice["logprobs"]["tokens"] == ["a", "b", "c"]
+        assert r.json()["usage"]["completion_tokens"] == 0
+        raw = (await c.post("/v1/completions", json={**body, "stream": True})).text
+        chunks = [json.loads(d) for d in sse_data(raw)[:-1]]
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == "abc"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        for bad, path in (({"echo": False}, "/v1/completions"), ({}, "/v1/chat/completions")):
+            req = (
+                {**body, **bad}
+                if "chat" not in path
+                else {"model": "fake", "messages": MSGS, "max_tokens": 0}
+            )
+            r = await c.post(path, json=req)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 async def test_engine_fault_mid_stream_is_one_error_event_then_done() -> None:
     engine = ScriptedEngine([token_ids("ab"), token_ids("cd")], fail="CUDA fell over")
     app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
