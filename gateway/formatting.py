@@ -206,9 +206,14 @@ class ChatFormat(_Formatter):
 
 
 def _append(lp: CompletionLogprobs, e: LogprobEntry, offset: int) -> None:
+    """One token of legacy logprobs. Its top_logprobs hold the chosen token too: the legacy API
+    "will always return the logprob of the sampled token, so there may be up to logprobs+1
+    elements" (vLLM does the same), so a prompt token or a sampled one outside the top k is there."""
     lp.tokens.append(e.token)
     lp.token_logprobs.append(e.logprob)
-    lp.top_logprobs.append(dict(e.top))
+    top = dict(e.top)
+    top.setdefault(e.token, e.logprob)
+    lp.top_logprobs.append(top)
     lp.text_offset.append(offset)
 
 

@@ -51,8 +51,9 @@ def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, tiny_models: Any)
     assert r.choices[0].text == PROMPT + plain.choices[0].text
     assert token_lps[0] is None and tops[0] is None
     assert token_lps[1:n] == pytest.approx(reference(tiny_models, ids), abs=1e-4)
-    for token_lp, top in zip(token_lps[1:], tops[1:], strict=True):
-        assert 1 <= len(top) <= 2 and token_lp <= max(top.values()) + 1e-6
+    for token, token_lp, top in zip(tokens[1:], token_lps[1:], tops[1:], strict=True):
+        # the top 2, and the token itself where it is not among them (the legacy API's logprobs + 1)
+        assert 2 <= len(top) <= 3 and top[token] == token_lp and token_lp <= max(top.values()) + 1e-6
     # the completion's part is what a request without echo gets, and that request is as before
     assert tokens[n:] == lp_plain.tokens and len(lp_plain.tokens or []) == 5
     assert token_lps[n:] == pytest.approx(lp_plain.token_logprobs, abs=1e-5)
@@ -157,7 +158,9 @@ def test_tokens_that_split_a_character_keep_their_bytes_and_offsets(
     ]
     assert lp.text_offset[: n + 1] == [0, 1, 1, 1, 1, 2, 2, 3]  # the completion's first at len(prompt)
     assert lp.text_offset == sorted(lp.text_offset)
-    assert all(len(top) == 3 for top in lp.top_logprobs[1:])  # no two alternatives collide on U+FFFD
+    # no two alternatives collide on U+FFFD: the top 3, plus the token where it is not among them
+    pairs = zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True)
+    assert all(len(top) == 3 + (t not in list(top)[:3]) for t, top in pairs)
     # chat: a token forced to 0xC3 (the first byte of "é") carries that byte, not U+FFFD's three
     c3 = byte_tokenizer().convert_tokens_to_ids("Ã")  # 0xC3 in byte-level's alphabet
     chat = httpx.post(
