@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # Declared on requests only to be refused with a 400 naming them (see serving.to_job).
 UNSUPPORTED = (
@@ -111,10 +119,19 @@ class ToolCall(_Strict):
 class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system"
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
+    # None: an assistant turn that only called tools; every other role needs content, as OpenAI's
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_unless_assistant(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"Missing required parameter: a {role} message needs content")
+        return content
 
     @field_validator("content", mode="before")
     @classmethod

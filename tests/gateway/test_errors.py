@@ -64,6 +64,19 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         "messages[0].content",
     ),
     (
+        "user message without content",
+        b'{"model": "tiny", "messages": [{"role": "user"}]}',
+        400,
+        "messages[0].content",
+    ),
+    (
+        "tool message with null content",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", '
+        b'"content": null}]}',
+        400,
+        "messages[1].content",
+    ),
+    (
         "max_tokens as string",
         b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}',
         400,
