@@ -51,7 +51,7 @@ class LinearConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    split: int = 1  # slices of K summed in a second kernel, in slice order (``skinny_config``)
+    split: int = 1  # slices of K summed in a second kernel, in slice order (``split_k_ops``)
 
 
 @functools.cache

@@ -148,11 +148,6 @@ class RequestStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     drafter: str = "none"
-    # Predicted Outputs, as OpenAI counts them: the prediction's tokens found in the returned
-    # completion's tokens, in order, and the rest of them (set by the gateway, which knows where the
-    # completion ends)
-    prediction_accepted: int = 0
-    prediction_rejected: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -191,8 +186,6 @@ class RequestStats:
             "accepted_by_position": list(self.accepted_by_position),
             "drafted_by_position": list(self.drafted_by_position),
             "spec_disabled_steps": self.spec_disabled_steps,
-            "prediction_accepted": self.prediction_accepted,
-            "prediction_rejected": self.prediction_rejected,
         }
 
 

@@ -11,6 +11,7 @@ raises before returning, so serving can still answer with a plain HTTP error; no
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -86,6 +87,11 @@ class ToolCallDelta:
     name: str | None = None
 
 
+def new_call_id() -> str:
+    """A tool call's id, OpenAI-shaped: it names one call of one response."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class Delta:
     """New output for one choice: one engine step (or one token with granularity ``token``)."""
@@ -113,7 +119,7 @@ class Generation:
     echo_logprobs: bool = False
     speculative: dict[str, Any] | None = None  # filled by the backend once every choice finished
     # Predicted Outputs: (accepted, rejected) prediction tokens of every choice, once they finished
-    # (gateway.local.prediction_found); kept with a cached answer, so a replay reports them too
+    # (gateway.local.prediction_found, summed); kept with a cached answer, so a replay reports them too
     prediction_tokens: tuple[int, int] | None = None
 
     def __aiter__(self) -> AsyncIterator[Delta]:

@@ -153,7 +153,7 @@ class LocalBackend:
     ) -> AsyncGenerator[Delta, None]:
         queue: asyncio.Queue[object] = asyncio.Queue()
         pumps = [
-            asyncio.ensure_future(self._pump(i, job, tok, r, steps, queue, stats))
+            asyncio.ensure_future(self._pump(i, job, tok, r, steps, queue, stats, gen))
             for i, (r, steps) in enumerate(zip(reqs, streams, strict=True))
         ]
         try:
@@ -167,10 +167,7 @@ class LocalBackend:
                 else:
                     assert isinstance(item, Delta)
                     yield item
-            merged = merge_stats(stats)
-            gen.speculative = merged.as_dict()
-            if job.prediction is not None:
-                gen.prediction_tokens = (merged.prediction_accepted, merged.prediction_rejected)
+            gen.speculative = merge_stats(stats).as_dict()
         finally:
             for p in pumps:
                 p.cancel()
@@ -185,6 +182,7 @@ class LocalBackend:
         steps: StepStream,
         queue: asyncio.Queue[object],
         stats: list[RequestStats],
+        gen: Generation,
     ) -> None:
         detok = IncrementalDetokenizer(tok, req.prompt_token_ids)
         matcher = StopMatcher(list(job.stops))
@@ -247,10 +245,10 @@ class LocalBackend:
                     queue.put_nowait(Delta(index, "", None, finish, 0))
                     final = step.stats if step.finish_reason is not None and step.stats else seen
                     final.completion_tokens = seen.completion_tokens
-                    if req.prediction is not None:
+                    if req.prediction is not None:  # summed over the choices, as usage is
                         found = await asyncio.to_thread(prediction_found, req.prediction, returned)
-                        final.prediction_accepted = found
-                        final.prediction_rejected = len(req.prediction) - found
+                        accepted, rejected = gen.prediction_tokens or (0, 0)
+                        gen.prediction_tokens = (accepted + found, rejected + len(req.prediction) - found)
                     stats.append(final)
                     break
                 step = await steps.__anext__()
@@ -312,16 +310,7 @@ def prediction_found(prediction: Sequence[int], output: Sequence[int]) -> int:
 def merge_stats(parts: list[RequestStats]) -> RequestStats:
     out = RequestStats(drafter=parts[0].drafter if parts else "none")
     for s in parts:
-        for name in (
-            "prompt_tokens",
-            "completion_tokens",
-            "steps",
-            "spec_steps",
-            "drafted",
-            "accepted",
-            "prediction_accepted",
-            "prediction_rejected",
-        ):
+        for name in ("prompt_tokens", "completion_tokens", "steps", "spec_steps", "drafted", "accepted"):
             setattr(out, name, getattr(out, name) + getattr(s, name))
         out.spec_disabled_steps += s.spec_disabled_steps
         for i, (d, a) in enumerate(zip(s.drafted_by_position, s.accepted_by_position, strict=True)):

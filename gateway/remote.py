@@ -8,11 +8,18 @@ stream with that same error.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.backends import Delta, Generation, Job, LogprobEntry, PromptLogprobs, ToolCallDelta
+from gateway.backends import (
+    Delta,
+    Generation,
+    Job,
+    LogprobEntry,
+    PromptLogprobs,
+    ToolCallDelta,
+    new_call_id,
+)
 from gateway.errors import APIError
 from router.upstream import UpstreamClient, UpstreamError, UpstreamStream
 
@@ -97,7 +104,7 @@ def _tool_calls(delta: dict[str, Any]) -> list[ToolCallDelta] | None:
         fn = c.get("function") or {}
         # a call opens with its name (some servers repeat the id on every delta: not an opening)
         opening = bool(fn.get("name"))
-        call_id = (c.get("id") or f"call_{uuid.uuid4().hex[:24]}") if opening else None
+        call_id = (c.get("id") or new_call_id()) if opening else None
         out.append(ToolCallDelta(int(c.get("index", 0)), fn.get("arguments") or "", call_id, fn.get("name")))
     return out or None
 

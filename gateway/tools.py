@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Collection
 from typing import NamedTuple
 
-from gateway.backends import ToolCallDelta
+from gateway.backends import ToolCallDelta, new_call_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # `{"name": "<name>", "arguments": ` : the head of a call, name first (as the template and the
@@ -268,7 +267,7 @@ class ToolCallParser:
         return False
 
     def _open(self, name: str, calls: list[ToolCallDelta], bare: bool) -> None:
-        calls.append(ToolCallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", name))
+        calls.append(ToolCallDelta(self.calls, "", new_call_id(), name))
         self.spaces = ""
         self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
         self.bare = bare
@@ -362,7 +361,7 @@ class ToolCallParser:
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             args = _arguments(call.get("arguments", call.get("parameters")))
         if args is not None:
-            calls.append(ToolCallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", call["name"]))
+            calls.append(ToolCallDelta(self.calls, "", new_call_id(), call["name"]))
             calls.append(ToolCallDelta(self.calls, args))
             self.calls += 1
             self.spoken = False

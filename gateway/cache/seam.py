@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from opentelemetry import trace
 
-from gateway.backends import Delta, Generation, Job, ToolCallDelta
+from gateway.backends import Delta, Generation, Job, ToolCallDelta, new_call_id
 from gateway.cache.cache import CacheMetrics, ResponseCache
 from gateway.cache.query import CacheControlError, CacheQuery
 from gateway.cache.response import CachedChoice, CachedResponse, CacheHit, header_value
@@ -43,7 +42,7 @@ def replay_calls(calls: list[dict[str, Any]]) -> list[ToolCallDelta]:
     out: list[ToolCallDelta] = []
     for i, call in enumerate(calls):
         fn = call["function"]
-        out.append(ToolCallDelta(i, "", f"call_{uuid.uuid4().hex[:24]}", fn["name"]))
+        out.append(ToolCallDelta(i, "", new_call_id(), fn["name"]))
         out.append(ToolCallDelta(i, fn["arguments"]))
     return out
 
