@@ -27,12 +27,14 @@ def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
 
 def tool_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     """Lark for one call (or several, one per line) in Qwen2.5's format, each call's JSON checked
-    against its function's parameters."""
+    against its function's parameters. Several calls may end on the newline after the last one:
+    Qwen2.5 writes one after ``</tool_call>`` before it ends its turn, and a newline that commits
+    to another call drove a small model through calls until max_tokens cut one in half."""
     schema: dict[str, Any] = (
         {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else _call_schema(tools[0])
     )
     schema["x-guidance"] = JSON_LAYOUT
-    more = ' ("\\n" call)*' if parallel else ""
+    more = ' ("\\n" call)* "\\n"?' if parallel else ""
     # the tags as literals of their own: the grammar compiler makes each one token where it is one
     return f'start: call{more}\ncall: "{OPEN}" "\\n" %json{json.dumps(schema)} "\\n" "{CLOSE}"\n'
 

@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from decoding.grammar import ll_tokenizer, matcher
+from decoding.tiny import byte_tokenizer
 from gateway.app import create_app
 from gateway.backends import ToolCallDelta
 from gateway.grammars import grammar_for, tool_grammar
@@ -127,6 +129,29 @@ def test_grammars() -> None:
     assert "call)*" in grammar_for(None, tools, "required", True).text  # type: ignore[union-attr]
     auto = grammar_for({"type": "json_object"}, tools, "auto", True)
     assert auto is not None and auto.text.startswith("start: %json")
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_several_calls_may_end_after_the_newline_that_follows_a_call(choice: str) -> None:
+    """Qwen2.5 writes a newline after ``</tool_call>`` and then ends its turn. Where that newline
+    committed to one more call, tool_choice "required" drove the real 0.5B through call after call
+    until max_tokens cut the last one in half (finish_reason "length", arguments not JSON)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    fmt = {"type": "json_object"} if choice == "auto" else None  # "auto" is constrained with a format
+    spec = grammar_for(fmt, tools, choice, True)
+    assert spec is not None
+    tok = byte_tokenizer()
+    m = matcher(spec, ll_tokenizer(tok, len(tok), (tok.eos_token_id,)), tok)
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    for text, ends in (
+        (call, True),
+        (call + "\n", True),
+        (f"{call}\n{call}\n", True),
+        (call + "\n\n", False),
+    ):
+        m.reset()
+        ids = tok(text)["input_ids"]
+        assert (m.try_consume_tokens(ids) == len(ids) and m.is_accepting()) == ends, text
 
 
 @pytest.mark.parametrize("repeat_id", [False, True])
