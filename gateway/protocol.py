@@ -254,7 +254,8 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int] | list[list[Int]]  # token ids: checked by serving._prompts
-    max_tokens: EchoCount | None = None  # 0 with echo only (serving.to_job)
+    # 0 with echo only (serving.to_job); 16 when absent or null, as OpenAI's legacy API and vLLM default it
+    max_tokens: EchoCount = 16
     echo: bool = False
     logprobs: LogprobCount | None = None
     suffix: Any = None

@@ -83,7 +83,7 @@ class LimitSettings(_Section):
     max_body_bytes: int = Field(default=1_000_000, ge=1024)
     max_n: int = Field(default=8, ge=1)
     max_max_tokens: int = Field(default=4096, ge=1)
-    default_max_tokens: int = Field(default=512, ge=1)  # when a request gives none
+    default_max_tokens: int = Field(default=512, ge=1)  # when a chat request gives none (completions: 16)
     max_stops: int = Field(default=4, ge=0)
     rpm: int | None = Field(default=None, ge=1)  # requests per minute per key; None: unlimited
     tpm: int | None = Field(default=None, ge=1)  # tokens (prompt + completion) per minute per key

@@ -189,6 +189,21 @@ async def test_n_and_seed_reach_the_engine() -> None:
     assert all(q.spec.adaptive for q in engine.requests)
 
 
+async def test_a_completion_without_max_tokens_asks_for_16_as_the_legacy_api_does() -> None:
+    """OpenAI's /v1/completions defaults max_tokens to 16 (so does vLLM's); chat has no such
+    default, and gets the server's. A script written against OpenAI got 512 tokens here."""
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(settings(default_max_tokens=100), engine=engine)  # type: ignore[arg-type]
+    async with client(app) as c:
+        for body in ({}, {"max_tokens": None}, {"max_tokens": 40}):
+            r = await c.post("/v1/completions", json={"model": "fake", "prompt": "x", **body})
+            assert r.status_code == 200
+        assert (
+            await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS})
+        ).status_code == 200
+    assert [q.params.max_tokens for q in engine.requests] == [16, 16, 40, 100]
+
+
 async def test_rate_limits_per_key() -> None:
     s = load_settings(
         overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}, "cache": {"enabled": False}},
