@@ -145,7 +145,8 @@ async def _nothing() -> AsyncIterator[Delta]:
 
 async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIterator[Delta]:
     # Finish deltas are held back until the upstream's usage chunk, so the last one can carry the
-    # exact completion token count (chunks are not tokens: a step may hold several).
+    # exact completion token count: chunks are not tokens (a step may hold several, an echoed
+    # prompt's chunk none), so the count made from them is corrected either way.
     held: list[Delta] = []
     counted = 0
     try:
@@ -157,8 +158,10 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
             usage = event.get("usage")
             if isinstance(usage, dict):
                 gen.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                if held:
-                    held[-1].completion_tokens += max(0, int(usage.get("completion_tokens") or 0) - counted)
+                reported = usage.get("completion_tokens")
+                if held and isinstance(reported, int):
+                    held[-1].completion_tokens += reported - counted
+                    counted = reported
             for choice in event.get("choices") or []:
                 text = (
                     choice.get("text")

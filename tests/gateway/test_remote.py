@@ -1,0 +1,61 @@
+"""The remote backend's reading of an upstream's SSE chunks (gateway/remote.py), on scripted events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.backends import Delta, Generation, Job
+from gateway.remote import _deltas
+
+
+class ScriptedStream:
+    """An upstream's chunks as ``router.upstream.UpstreamStream`` yields them."""
+
+    def __init__(self, events: list[dict[str, Any]]):
+        self.events = events
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        for event in self.events:
+            yield event
+
+    async def aclose(self) -> None:
+        pass
+
+
+def chunk(text: str, finish: str | None = None, index: int = 0) -> dict[str, Any]:
+    return {"choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+async def read(job: Job, events: list[dict[str, Any]]) -> tuple[Generation, list[Delta]]:
+    gen = Generation(prompt_tokens=0, deltas=None)  # type: ignore[arg-type]
+    return gen, [d async for d in _deltas(ScriptedStream(events), job, gen)]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_completion_tokens_are_the_upstreams_count(echo: bool) -> None:
+    """Chunks are counted as tokens until the upstream's usage chunk says how many there were. An
+    echoed prompt's chunk is no completion token, and a count above the upstream's was kept: usage
+    (and the key's token charge) was one too many for a remote completion with echo."""
+    job = Job(request_id="r", kind="completion", model="m", prompts=["Say"], echo=echo, max_tokens=2)
+    events = [chunk(" a"), chunk(" b"), chunk("", "length"), {"choices": [], "usage": {
+        "prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}]  # fmt: skip
+    if echo:
+        events.insert(0, chunk("Say"))
+    gen, deltas = await read(job, events)
+    assert "".join(d.text for d in deltas) == ("Say" if echo else "") + " a b"
+    assert sum(d.completion_tokens for d in deltas) == 2 and gen.prompt_tokens == 1
+
+
+async def test_a_step_of_several_tokens_is_counted_by_the_upstream() -> None:
+    job = Job(request_id="r", kind="chat", model="m", messages=[{"role": "user", "content": "x"}])
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "one two three"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}},
+    ]
+    _, deltas = await read(job, events)
+    assert sum(d.completion_tokens for d in deltas) == 3
