@@ -3,7 +3,9 @@ it costs under CUDA graphs, for the draft and target shapes.
 
     python -m bench.profile_step [--order]
 
-``--order`` also lists the first 40 kernels of the profiled step in launch order.
+``--order`` also lists the first 40 kernels of the profiled step in launch order. ``--prefill R,T``
+instead times a prefill step of R prompts of T tokens on the target (fast mode, as a burst of
+prompts meets it at start-up), its kernels by name and the matmul rate it reaches.
 
 Run on the H200 (2026-11-29) it also tried attention as two matmuls around an inductor-fused
 softmax, and inductor's coordinate-descent tuning and max-autotune: none beat the default (SDPA,
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from bench.gpu import DRAFT, MAX_LEN, TARGET, build, cuda_time
+from decoding.runner import Row
 from decoding.static import StaticModel
 
 PROMPT = list(range(100, 228))
@@ -77,8 +80,27 @@ def step(m: StaticModel, exact: bool) -> float:
     return t
 
 
+def prefill(rows: int, tokens: int) -> None:
+    """A prefill step of ``rows`` prompts of ``tokens`` each: device ms, kernel table, TFLOP/s of the
+    weights' products (2 x non-embedding parameters x tokens; attention and lm_head left out)."""
+    m = StaticModel(build(TARGET, 0), MAX_LEN, slots=rows, graphs=True, compile_step=True)
+    ids = [torch.randint(0, 1000, (tokens,), device="cuda") for _ in range(rows)]
+    batch = [Row(s, ids[s], 0, "last") for s in range(rows)]
+    t = cuda_time(lambda: m.forward_rows(batch), 10)
+    D, inter, L = TARGET["hidden_size"], TARGET["intermediate_size"], TARGET["num_hidden_layers"]
+    hd = D // TARGET["num_attention_heads"]
+    qkv = (TARGET["num_attention_heads"] + 2 * TARGET["num_key_value_heads"]) * hd
+    params = L * (qkv * D + D * D + 3 * inter * D)
+    print(f"prefill {rows} x {tokens}: {t * 1e3:.2f} ms, {2 * params * rows * tokens / t / 1e12:.0f} TFLOP/s")
+    kernel_table(f"prefill {rows} x {tokens}", profile_kernels(lambda: m.forward_rows(batch)), 16)
+
+
 def main() -> None:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if "--prefill" in sys.argv:
+        rows, tokens = map(int, sys.argv[sys.argv.index("--prefill") + 1].split(","))
+        prefill(rows, tokens)
+        return
     for shape, seed in ((DRAFT, 1), (TARGET, 0)):
         m = StaticModel(build(shape, seed), MAX_LEN, slots=1, graphs=True, compile_step=True, exact=True)
         print(
