@@ -87,6 +87,23 @@ def _invariant(path: Path, E: dict[int, Any]) -> list[str]:
     return lines
 
 
+def _exact_widths(R: dict[str, Any]) -> str:
+    """How exact mode's rows ran: padded to one width, or at the widths the load showed."""
+    shown = R.get("exact_widths")
+    if not shown:
+        return "every row padded to width 9"
+    X = max(max(ws) for ws in shown.values())
+    full = [int(B) for B, ws in shown.items() if len(ws) == X]
+    part = {int(B): ws for B, ws in shown.items() if len(ws) < X}
+    text = (
+        "rows at the narrowest width the device showed to round as width 9 does (`GraphSet.prove`, from "
+        f"2026-12-04 16:30 UTC): every width 1..{X} in batch buckets {', '.join(map(str, sorted(full))) or 'none'}"
+    )
+    for B, ws in sorted(part.items()):
+        text += f"; in bucket {B} widths {', '.join(map(str, ws))} (the others pad to the next)"
+    return text
+
+
 def render(path: str) -> None:
     R = json.loads(Path(path).read_text())
     ns = sorted(int(n) for n in R["engine"])
@@ -104,8 +121,10 @@ def render(path: str) -> None:
         f"prompts, {R['new']} new tokens, greedy, through `AsyncEngine` (prefill budget 256 tokens per step beside decoding rows, up to 2048 in a step "
         "with none: `burst_budget`, from 2026-12-03 20:50 UTC; prompts "
         "and prompt chunks of up to 512 tokens replay CUDA graphs too, attending with the fused chunk kernel). `off`: "
-        "fast mode. Speculation is compared in exact mode (every row padded to width 9, docs/architecture.md), where "
-        "a verification row rounds as a 1-token row does; in fast mode random weights tie their top logits at bf16 "
+        "fast mode. Speculation is compared in exact mode (docs/architecture.md), where "
+        "a verification row rounds as a 1-token row does: "
+        + _exact_widths(R)
+        + "; in fast mode random weights tie their top logits at bf16 "
         "resolution often enough that outputs part and the replay's reference stops matching. Speculation on: a "
         "replay drafter (the real draft model runs, batched, for its cost; it proposes the target's own continuation "
         f"corrupted to acceptance {R['acceptance']}), k = {R['k_on']}; auto: the same drafter with adaptive k and the "

@@ -469,12 +469,13 @@ _NO_TABLE: dict[tuple[int, int], float] = {}
 
 
 def _padded_width(seq: Sequence) -> int:
-    """The width every row of ``seq``'s target steps runs at (a static model's exact mode,
-    ``StaticModel.step_shape``), 0 where a step's width is its widest row's."""
+    """The width every row of ``seq``'s target steps runs at (a static model's exact mode where
+    its device did not show narrower steps to round alike, ``StaticModel.exact_padding``), 0 where a
+    step's width is its widest row's."""
     runner = seq.runner
     model = getattr(runner, "batch_model", None)
     if getattr(runner, "exact", False) and getattr(model, "exact", False):
-        return int(model.max_graph_tokens)  # type: ignore[union-attr]
+        return int(model.exact_padding)  # type: ignore[union-attr]
     return 0
 
 

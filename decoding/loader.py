@@ -306,11 +306,13 @@ def runner_factories(
         n = static.capture_serving(spec.max_batch)
         static.time_steps()  # the engine's batch cost model starts from these (BatchCosts.seed)
         log.info(
-            "model %s: %d CUDA graphs captured and timed (steps of up to %d rows) in %.1fs",
+            "model %s: %d CUDA graphs captured and timed (steps of up to %d rows) in %.1fs%s",
             spec.name,
             n,
             spec.max_batch,
             time.perf_counter() - t0,
+            # exact mode's widths by batch bucket: the rest pad to the next one (GraphSet.prove)
+            f"; exact widths {static.graphs.proven}" if static.exact else "",
         )
     return static.runner, static.draft_runner
 

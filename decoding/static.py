@@ -144,9 +144,9 @@ class StaticModel(PooledSlots):
         self.positions = pos  # [cache_len]
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
-        # exact mode: every short step of a row runs at width max_graph_tokens (and, without the fused
-        # kernel, over the whole cache; see step_shape and docs/architecture.md, Exact mode). Drafters
-        # never need it.
+        # exact mode: every short step of a row runs at one width, max_graph_tokens, or a narrower one
+        # the device showed to round alike (exact_width; without the fused kernel, over the whole
+        # cache; see step_shape and docs/architecture.md, Exact mode). Drafters never need it.
         self.exact = exact
         # batch-invariant exact mode (CUDA, opt-in): every matmul and RMSNorm through kernels whose rows
         # do not depend on the rest of the batch (decoding/invariant.py); else torch's (cuBLAS). Opt-in
@@ -208,13 +208,37 @@ class StaticModel(PooledSlots):
     def step_shape(self, rows: int, widest: int, last_start: int, exact: bool) -> StepShape:
         """The shape a step's short rows run at: ``rows`` of them, the widest ``widest`` tokens long,
         the largest start ``last_start``. Exact mode's padding is decided here (docs/architecture.md,
-        Exact mode): every row at ``max_graph_tokens``, a graph of short rows alone at least
+        Exact mode): every row at ``exact_width``, a graph of short rows alone at least
         ``exact_min_rows`` rows, attention over the whole cache."""
-        W = self.max_graph_tokens if exact else widest
         bucket = batch_bucket(max(rows, self.exact_min_rows) if exact else rows)
+        W = self.exact_width(bucket, widest) if exact else widest
         if self.fused_attention:  # it reads each row up to its own length: no graph per attended length
             return StepShape(bucket, W, 0)
         return StepShape(bucket, W, self.cache_len if exact else self._attn_len(last_start + W))
+
+    def exact_width(self, bucket: int, widest: int) -> int:
+        """The width an exact step of ``bucket`` rows, the widest ``widest`` tokens, runs every row
+        at: the narrowest that this device showed to round as the exact width does
+        (``GraphSet.prove``), else the exact width, ``max_graph_tokens``. Eager steps (graphs off)
+        always pad: what was shown is the graphs' kernels."""
+        proven = self.graphs.proven.get(bucket, ()) if self.graphs_enabled else ()  # shown by graphs
+        return min((w for w in proven if w >= widest), default=self.max_graph_tokens)
+
+    def own_compile(self, rows: int, width: int) -> bool:
+        """Whether a step of ``rows`` x ``width`` tokens runs compiled code of its own: one token in
+        all is compiled for N = 1, every other count shares one dynamic compile (``_forward``). Such
+        a step is never shown to round as the exact width does (``GraphSet.prove``): on the H200 a
+        one-token step matched a probe and parted from verification rows at a tie."""
+        return self.compiled and rows * width == 1
+
+    @property
+    def exact_padding(self) -> int:
+        """The width exact mode's verifications are priced at whatever their k
+        (``BatchCosts.padded_width``): 0 where every bucket shown runs every verification width
+        (2..``max_graph_tokens``) unpadded, else ``max_graph_tokens``."""
+        every = set(range(2, self.max_graph_tokens + 1))
+        proven = self.graphs.proven.values()
+        return 0 if proven and all(every <= set(ws) for ws in proven) else self.max_graph_tokens
 
     def _attn_len(self, end: int) -> int:
         """Cache positions a step attends over outside exact mode: the smallest power of two from 256
@@ -442,11 +466,12 @@ class StaticModel(PooledSlots):
         table the engine's batch cost model starts from (before requests: the replays write to the
         scratch slot through the graphs' own buffers)."""
         table = self.graphs.time_replays()
-        if self.exact:  # every row runs at the one exact width (step_shape): a step of any width costs that
-            table = {
-                (B, w) if B else (B, W): t
-                for (B, W), t in table.items()
-                for w in (range(1, self.max_graph_tokens + 1) if B else (W,))
+        if self.exact:  # a step of width w runs at exact_width's (step_shape): it costs that one
+            buckets = {B for B, _ in table if B}
+            widths = range(1, self.max_graph_tokens + 1)
+            runs = {(B, w): (B, self.exact_width(B, w)) for B in buckets for w in widths}
+            table = {k: t for k, t in table.items() if not k[0]} | {
+                k: table[r] for k, r in runs.items() if r in table
             }
         self.step_costs = table
         return table

@@ -748,7 +748,9 @@ def test_the_padded_width_is_exact_modes_on_a_static_model_only():
 
     from decoding.engine import _padded_width
 
-    static = NS(exact=True, max_graph_tokens=9)
+    static = NS(exact=True, exact_padding=9)  # a device that showed no narrower width (StaticModel)
     assert _padded_width(NS(runner=NS(exact=True, batch_model=static))) == 9  # type: ignore[arg-type]
     assert _padded_width(NS(runner=NS(exact=False, batch_model=static))) == 0  # type: ignore[arg-type]
+    shown = NS(exact=True, exact_padding=0)  # one that showed every verification width
+    assert _padded_width(NS(runner=NS(exact=True, batch_model=shown))) == 0  # type: ignore[arg-type]
     assert _padded_width(NS(runner=NS(exact=True, batch_model=NS(exact_step=3)))) == 0  # type: ignore[arg-type]
