@@ -86,11 +86,16 @@ class _Target:
 class _Model:
     """A runner's model as ``Engine.costs_of`` reads it: its start-up step table (seconds by
     (batch, width); (0, W): a W-token prompt chunk alone), as ``StaticModel.time_steps`` gives it,
-    and whether every row runs at one width (exact mode, ``max_graph_tokens``)."""
+    and whether every row runs at one width (exact mode padded to ``max_graph_tokens``, as the
+    H200 tables below were measured: ``exact_padding``)."""
 
     step_costs: dict[tuple[int, int], float]
     exact: bool = False
     max_graph_tokens: int = 9
+
+    @property
+    def exact_padding(self) -> int:
+        return self.max_graph_tokens if self.exact else 0
 
 
 @dataclass
