@@ -97,7 +97,7 @@ def _exact_widths(R: dict[str, Any]) -> str:
     part = {int(B): ws for B, ws in shown.items() if len(ws) < X}
     text = (
         "rows at the narrowest width the device showed to round as width 9 does (`GraphSet.prove`, from "
-        f"2026-12-04 16:30 UTC): every width 1..{X} in batch buckets {', '.join(map(str, sorted(full))) or 'none'}"
+        f"2026-12-04 15:46 UTC): every width 1..{X} in batch buckets {', '.join(map(str, sorted(full))) or 'none'}"
     )
     for B, ws in sorted(part.items()):
         text += f"; in bucket {B} widths {', '.join(map(str, ws))} (the others pad to the next)"
