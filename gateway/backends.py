@@ -32,6 +32,9 @@ class Job:
     prompts: list[str | list[int]] | None = None  # completion: each prompt gets n choices
     n: int = 1
     max_tokens: int | None = None  # None: the backend's default, bounded by its context
+    # the field the client bounded a chat with: a remote upstream gets the limit under that name
+    # (OpenAI's reasoning models refuse max_tokens; older OpenAI-compatible servers know only it)
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

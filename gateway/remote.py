@@ -37,7 +37,7 @@ def _body(job: Job) -> dict[str, Any]:
         "stream_options": {"include_usage": True},  # usage comes from the upstream's last chunk
     }  # fmt: skip
     if job.max_tokens is not None:
-        body["max_tokens"] = job.max_tokens
+        body[job.max_tokens_field] = job.max_tokens
     if job.stops:
         body["stop"] = list(job.stops)
     if job.user is not None:

@@ -117,6 +117,8 @@ def to_job(
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.max_completion_tokens is not None:
+            common["max_tokens_field"] = "max_completion_tokens"
         return Job(kind="chat", messages=_messages(req), logprobs=logprobs, **_structured(req), **common)
     return Job(kind="completion", prompts=prompts, logprobs=req.logprobs, echo=req.echo, **common)
 

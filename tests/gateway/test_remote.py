@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.backends import Delta, Generation, Job
-from gateway.remote import _deltas
+from gateway.remote import _body, _deltas
 
 
 class ScriptedStream:
@@ -59,3 +59,19 @@ async def test_a_step_of_several_tokens_is_counted_by_the_upstream() -> None:
     ]
     _, deltas = await read(job, events)
     assert sum(d.completion_tokens for d in deltas) == 3
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_the_upstream_gets_the_limit_under_the_clients_name_for_it(field: str) -> None:
+    """A chat bounded with max_completion_tokens goes upstream with it: OpenAI's reasoning models
+    refuse max_tokens ("Use 'max_completion_tokens' instead"), and every request was sent with it.
+    One bounded with max_tokens (or not at all) keeps max_tokens, which older servers know."""
+    from gateway.protocol import ChatCompletionRequest
+    from gateway.serving import to_job
+    from gateway.settings import Settings
+
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], field: 7}
+    )
+    body = _body(to_job(req, "r", "anonymous", Settings()))
+    assert body[field] == 7 and len({"max_tokens", "max_completion_tokens"} & set(body)) == 1
