@@ -12,7 +12,7 @@ from decoding.controller import SpecController
 from decoding.drafters import Drafter, DraftModelDrafter, PredictionDrafter, PromptLookupDrafter
 from decoding.errors import InvalidParameter, PromptTooLong, UnknownModel
 from decoding.params import GenerationRequest, SpecMode
-from decoding.runner import SequenceRunner
+from decoding.runner import SequenceRunner, as_ids
 from decoding.sequence import LoadedModel, Sequence
 
 # SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
@@ -46,14 +46,18 @@ def check(models: dict[str, LoadedModel], request: GenerationRequest) -> LoadedM
 
 
 def shaping(target: LoadedModel, request: GenerationRequest) -> Shaping | None:
-    """[shaping] The request's bias and grammar state, or None when it has neither."""
-    if not request.logit_bias and request.grammar is None:
+    """[shaping] The request's bias, grammar state and min_tokens, or None when it has none."""
+    params = request.params
+    if not request.logit_bias and request.grammar is None and not params.min_tokens:
         return None
     bias = logit_bias_tensor(request.logit_bias, target.vocab_size, target.device)
     constraint = None
     if request.grammar is not None:
         constraint = Constraint(request.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids)
-    return Shaping(bias, constraint)
+    # the ids that would end it (Sequence.stops): none of them before min_tokens tokens
+    stops = sorted(set(params.stop_token_ids) | set(() if params.ignore_eos else target.eos_token_ids))
+    early = (as_ids(stops, target.device), params.min_tokens) if params.min_tokens and stops else None
+    return Shaping(bias, constraint, early)
 
 
 def drafter_for(
@@ -122,6 +126,10 @@ def new_sequence(
         counts=torch.zeros(target.vocab_size, dtype=torch.long, device=device),
         tokens=list(request.prompt_token_ids),
     )
+    if request.params.repetition_penalty != 1:
+        seen = torch.zeros(target.vocab_size, dtype=torch.bool)
+        seen[torch.tensor(request.prompt_token_ids, dtype=torch.long)] = True
+        seq.prompt_seen = seen.to(device)
     seq.stats.prompt_tokens = len(request.prompt_token_ids)
     seq.stats.drafter = drafter.name if drafter else "none"
     seq.shaping = shaping(target, request)  # [shaping]

@@ -99,7 +99,7 @@ class Verifying:
             s, prop, k = decoding[b], proposals[b], batch.n_drafts[b]
             params = s.request.params
             draft_tokens = batch.drafts[b, :k]
-            processed = apply_penalties(logits[b, : k + 1], s.counts, draft_tokens, params)
+            processed = apply_penalties(logits[b, : k + 1], s.counts, draft_tokens, params, s.prompt_seen)
             if s.shaping is not None:  # [shaping] bias + the grammar's masks along the draft path
                 processed = s.shaping.target(processed, draft_tokens)
             if params.greedy:
@@ -197,8 +197,8 @@ class QueuedStep:
                 if s.drafter is not None:  # nor its draft (which took nothing past the row's tokens)
                     s.drafter.rollback(n_before + n)
             new, finish = _truncate(s, cand[: n + 1])
-            if s.shaping is not None and s.shaping.constraint is not None:
-                s.shaping.constraint.commit(new)  # [shaping] the matcher advances by accepted tokens only
+            if s.shaping is not None:
+                s.shaping.commit(new)  # [shaping] the matcher advances by accepted tokens only
             logprobs = None
             if params.logprobs is not None and new:
                 assert self.logits is not None, "a step keeps its logits where a row wants logprobs"

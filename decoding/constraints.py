@@ -160,13 +160,42 @@ def apply_logit_bias(
 
 
 class Shaping:
-    """One request's bias and grammar, as the engine's three call sites use them (target rows,
-    draft rows, commit). ``forced`` is the prefix of the current proposal the grammar forced."""
+    """One request's bias, grammar and min_tokens, as the engine's three call sites use them
+    (target rows, draft rows, commit). ``forced`` is the prefix of the current proposal the grammar
+    forced. ``early``: the ids that would end the request and vLLM's ``min_tokens``, none of which may
+    come before that many tokens (as a mask of the target's and the draft's rows alike, so
+    speculation stays exact; a grammar that allows nothing else wins: its output must end)."""
 
-    def __init__(self, bias: torch.Tensor | None, constraint: Constraint | None):
+    def __init__(
+        self,
+        bias: torch.Tensor | None,
+        constraint: Constraint | None,
+        early: tuple[torch.Tensor, int] | None = None,
+    ):
         self.bias = bias
         self.constraint = constraint
+        self.early = early
+        self.produced = 0  # tokens committed (output so far)
         self.forced: list[int] = []
+
+    def _allowed(self, allowed: torch.Tensor | None, first: int, T: int, V: int) -> torch.Tensor | None:
+        """The grammar's [T, V] allowed tokens (None: every token), less the stop ids at rows whose
+        output position (``first`` + row) is below min_tokens."""
+        if self.early is None or first >= self.early[1]:
+            return allowed
+        ids, n = self.early
+        banned = torch.zeros(T, V, dtype=torch.bool, device=ids.device)
+        banned[: n - first, ids] = True
+        if allowed is None:
+            return ~banned
+        kept = allowed.to(banned.device) & ~banned
+        empty = ~kept.any(-1, keepdim=True)  # the grammar allows nothing but an end there
+        return torch.where(empty, allowed.to(banned.device), kept)
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        if self.constraint is not None:
+            self.constraint.commit(accepted)
+        self.produced += len(accepted)
 
     def forced_drafts(self, limit: int) -> list[int]:
         """The tokens the grammar forces next, at most ``limit`` of them, kept as ``forced``: proposed
@@ -201,9 +230,9 @@ class Shaping:
         drafts: torch.Tensor,  # [k]
     ) -> torch.Tensor:
         logits = apply_logit_bias(logits, self.bias)
-        if self.constraint is not None:
-            logits = apply_logit_mask(logits, self.constraint.masks(drafts.tolist()))
-        return logits
+        grammar = self.constraint.masks(drafts.tolist()) if self.constraint is not None else None
+        allowed = self._allowed(grammar, self.produced, *logits.shape)
+        return logits if allowed is None else apply_logit_mask(logits, allowed)
 
     def draft(
         self,
@@ -211,6 +240,7 @@ class Shaping:
         drafted: Sequence[int],  # tokens this proposal drafted before this row (after ``forced``)
     ) -> torch.Tensor:
         row = apply_logit_bias(row, self.bias)
-        if self.constraint is not None:
-            row = apply_logit_mask(row, self.constraint.draft_mask([*self.forced, *drafted])[None])
-        return row
+        at = [*self.forced, *drafted]
+        grammar = self.constraint.draft_mask(at)[None] if self.constraint is not None else None
+        allowed = self._allowed(grammar, self.produced + len(at), *row.shape)
+        return row if allowed is None else apply_logit_mask(row, allowed)

@@ -32,6 +32,11 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's: neither EOS nor a stop id before this many tokens (decoding.constraints.Shaping)
+    min_tokens: int = 0
+    min_p: float = 0.0  # tokens below min_p x the likeliest's probability are dropped
+    # tokens already in the prompt or the output: logit / r where positive, logit x r where negative
+    repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob plus N alternatives
     # None: none; N >= 0: each prompt token's logprob given the tokens before it, plus N alternatives
     # (legacy completions' echo with logprobs; StepOutput.prompt_logprobs)
@@ -54,6 +59,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not math.isfinite(v) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
@@ -61,7 +72,7 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass(frozen=True)

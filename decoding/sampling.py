@@ -19,11 +19,15 @@ def apply_penalties(
     counts: torch.Tensor,  # [V] completion-token counts before position 0
     window: torch.Tensor,  # [T-1] tokens that sit between positions (drafted tokens)
     params: SamplingParams,
+    prompt_seen: torch.Tensor | None = None,  # [V] bool: in the prompt (repetition_penalty)
 ) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over generated tokens, per position of a window.
+    """OpenAI presence/frequency penalties over generated tokens, and vLLM's repetition penalty over
+    the prompt's and the generated tokens (CTRL's: a seen token's logit divided by it where positive,
+    multiplied where negative), per position of a window.
 
     Row t sees the counts plus ``window[:t]``: a verification step scores k+1 positions whose
-    histories differ by the drafted tokens before them.
+    histories differ by the drafted tokens before them. Without ``prompt_seen`` (a draft's rows) the
+    repetition penalty sees the generated tokens alone.
     """
     if not params.penalised:
         return logits
@@ -32,13 +36,18 @@ def apply_penalties(
     if T > 1:
         onehot = torch.nn.functional.one_hot(window[: T - 1], V).to(logits.dtype)  # [T-1, V]
         per_pos[1:] += onehot.cumsum(0)
-    return (
-        logits - params.frequency_penalty * per_pos - params.presence_penalty * (per_pos > 0).to(logits.dtype)
-    )
+    seen = per_pos > 0  # [T, V]
+    out = logits - params.frequency_penalty * per_pos - params.presence_penalty * seen.to(logits.dtype)
+    if params.repetition_penalty != 1:
+        if prompt_seen is not None:
+            seen = seen | prompt_seen.to(seen.device)
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    return out
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[T, V] logits -> [T, V] float32 probabilities after temperature, top-k and top-p.
+    """[T, V] logits -> [T, V] float32 probabilities after temperature, top-k, top-p and min-p.
 
     Stable for any temperature > 0 and top_p > 0: logits are shifted so each row's maximum is 0
     before dividing (a tiny temperature then sends the others to -inf, never inf - inf = NaN: the
@@ -60,7 +69,12 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop_sorted[..., 0] = False  # the most likely token stays, whatever rounding did to its mass
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if params.min_p > 0:  # vLLM's min-p, after top-k/top-p: the likeliest token always stays
+        keep = probs >= params.min_p * probs.amax(-1, keepdim=True)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -55,6 +55,7 @@ class Sequence:
     controller: SpecController
     generator: torch.Generator
     counts: torch.Tensor  # [V] completion-token counts (penalties)
+    prompt_seen: torch.Tensor | None = None  # [V] bool: the prompt's tokens (repetition_penalty only)
     tokens: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     prefilled: bool = False

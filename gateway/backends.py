@@ -41,6 +41,11 @@ class Job:
     seed: int | None = None
     stops: tuple[str, ...] = ()
     presence_penalty: float = 0.0
+    # vLLM's extras (protocol._Sampling): min_tokens, ignore_eos, min_p, repetition_penalty
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
     echo: bool = False  # completion: the prompt text precedes the completion

@@ -61,16 +61,22 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Feed text pieces; get back what is safe to send and whether a stop string ended the output."""
+    """Feed text pieces (one a token); get back what is safe to send and whether a stop string ended
+    the output. The first ``after`` pieces are not searched (vLLM's min_tokens: no stop before them),
+    so a stop string ending among them is output."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], after: int = 0):
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.stopped = False
+        self.unarmed = after  # pieces still to pass before stops count
 
     def feed(self, text: str) -> str:
         if self.stopped:
             return ""
+        if self.unarmed > 0:
+            self.unarmed -= 1
+            return text
         if not self.stops:
             return text
         self.pending += text

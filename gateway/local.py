@@ -103,6 +103,10 @@ class LocalBackend:
                     top_k=job.top_k,
                     seed=None if job.seed is None else job.seed + j,
                     presence_penalty=job.presence_penalty,
+                    min_tokens=job.min_tokens,
+                    ignore_eos=job.ignore_eos,
+                    min_p=job.min_p,
+                    repetition_penalty=job.repetition_penalty,
                     frequency_penalty=job.frequency_penalty,
                     logprobs=job.logprobs,
                     prompt_logprobs=prompt_logprobs,
@@ -185,7 +189,7 @@ class LocalBackend:
         gen: Generation,
     ) -> None:
         detok = IncrementalDetokenizer(tok, req.prompt_token_ids)
-        matcher = StopMatcher(list(job.stops))
+        matcher = StopMatcher(list(job.stops), after=job.min_tokens)
         names = [t["function"]["name"] for t in job.tools or []]  # tool-call text -> tool_calls deltas
         calls = ToolCallParser(names, job.parallel_tool_calls is not False) if job.calls_tools else None
         seen = RequestStats(prompt_tokens=len(req.prompt_token_ids))

@@ -212,6 +212,13 @@ class _Sampling(_Request):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extra body fields (the SDK's extra_body)
     top_k: TopK | None = None
+    # vLLM's sampling extras, as vLLM reads them: tokens before EOS or a stop may end the output, no
+    # end at EOS, tokens below min_p x the likeliest dropped, tokens already in the prompt or output
+    # penalised (logit / r where positive, x r where negative)
+    min_tokens: TopK = 0
+    ignore_eos: bool = False
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
     speculative: SpeculativeOptions | None = None
     stream_granularity: Literal["step", "token"] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]

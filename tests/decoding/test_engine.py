@@ -229,3 +229,65 @@ def test_draft_confidence_default_follows_device_and_adaptive(tiny_models):
     assert confidence(adaptive=False, draft_confidence=0.3) == 0.3
     with pytest.raises(ValueError, match="draft_confidence"):
         SpecParams(draft_confidence=1.0)
+
+
+def _reference(model, ids: list[int], n: int, penalty: float) -> list[int]:
+    """Greedy decoding by hand with vLLM's repetition penalty over the prompt and the output."""
+    out: list[int] = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[torch.tensor(ids + out)] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_repetition_penalty_is_vllms_and_lossless_under_speculation(tiny_models):
+    """repetition_penalty (vLLM's extra): a seen token's logit divided by it where positive and
+    multiplied where negative, over the prompt's tokens and the output's; the same greedy output
+    with every drafter as without speculation."""
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[1])
+    kw = dict(temperature=0, repetition_penalty=1.5, max_tokens=24)
+    plain, _, _ = run(engine, "tiny", ids, "off", 1, **kw)
+    assert plain == _reference(tiny_models["tiny"].model, ids, 24, 1.5)
+    assert plain != run(engine, "tiny", ids, "off", 1, temperature=0, max_tokens=24)[0]
+    for model, mode in (("tiny", "draft"), ("tiny", "ngram"), ("tiny-self", "draft")):
+        assert run(engine, model, ids, mode, 4, **kw)[0] == plain, (model, mode)
+
+
+@pytest.mark.parametrize("mode", ["off", "draft", "ngram"])
+def test_min_tokens_holds_back_every_stop_until_then(tiny_models, mode):
+    """min_tokens (vLLM's extra): neither a stop id nor EOS before that many tokens; after it they
+    end the output as before. Speculation gives the same tokens (the ban is on the target's and
+    the draft's rows alike)."""
+    engine = Engine(tiny_models)
+    ids = encode(tiny_models, PROMPTS[0])
+    full, _, _ = run(engine, "tiny", ids, "off", 1, temperature=0)
+    stop = full[2]
+    early, _, finish = run(engine, "tiny", ids, mode, 4, temperature=0, stop_token_ids=(stop,))
+    assert finish == FinishReason.STOP and len(early) == full.index(stop) < 6
+    out, _, finish = run(engine, "tiny", ids, mode, 4, temperature=0, stop_token_ids=(stop,), min_tokens=6)
+    assert len(out) >= 6 and stop not in out[:6]
+    want, _, _ = run(engine, "tiny", ids, "off", 1, temperature=0, stop_token_ids=(stop,), min_tokens=6)
+    assert out == want
+    if finish == FinishReason.STOP:  # it ended at the stop once it might
+        assert stop not in out
+
+
+def test_min_p_drops_the_unlikely_and_keeps_the_likeliest():
+    from decoding.sampling import probs_from_logits
+
+    logits = torch.tensor([[4.0, 3.0, 1.0, -2.0], [0.0, 0.0, 0.0, 0.0]])
+    probs = probs_from_logits(logits, SamplingParams(min_p=0.2))
+    raw = logits.softmax(-1)
+    assert torch.equal(probs[0] > 0, raw[0] >= 0.2 * raw[0].max())  # 4 and 3 stay (3: 0.37 of 4)
+    assert probs[0, 2] == 0 and torch.allclose(probs.sum(-1), torch.ones(2))
+    assert torch.allclose(probs[1], raw[1])  # all equal: all stay
+    assert probs_from_logits(logits, SamplingParams(min_p=1.0))[0].argmax() == 0
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)

@@ -426,3 +426,28 @@ async def test_cors_lets_a_browser_call_the_api() -> None:
             r.headers["access-control-allow-origin"] == "https://chat.example"
             and "Origin" in r.headers["vary"]
         )
+
+
+async def test_vllms_sampling_extras_reach_the_engine_and_hold_back_stop_strings() -> None:
+    """min_tokens, ignore_eos, min_p and repetition_penalty (vLLM's extra body fields, which its
+    users and benchmark clients send) reach the engine's SamplingParams; they were dropped. A stop
+    string is not looked for in the first min_tokens tokens (vLLM's min_tokens holds back every
+    stop); out-of-range values are a 400 naming the field; they split the response cache's key."""
+    from gateway.cache.query import output_params
+
+    engine = ScriptedEngine([token_ids("ab"), token_ids("cabd")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    extras = {"min_tokens": 3, "ignore_eos": True, "min_p": 0.05, "repetition_penalty": 1.2}
+    async with client(app) as c:
+        body = {"model": "fake", "messages": MSGS, "stop": ["b"], **extras}
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        assert whole["choices"][0]["message"]["content"] == "abca"  # "b" ends it from the 4th token
+        p = engine.requests[-1].params
+        assert (p.min_tokens, p.ignore_eos, p.min_p, p.repetition_penalty) == (3, True, 0.05, 1.2)
+        plain = (await c.post("/v1/chat/completions", json={**body, "min_tokens": 0})).json()
+        assert plain["choices"][0]["message"]["content"] == "a"
+        for field, value in (("min_p", 1.5), ("repetition_penalty", 0), ("min_tokens", -1)):
+            r = await c.post("/v1/chat/completions", json={**body, field: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    assert output_params({"min_tokens": 3}) != output_params({})
+    assert output_params({"min_tokens": 0, "ignore_eos": False, "min_p": 0, "repetition_penalty": 1}) == {}

@@ -75,3 +75,16 @@ def test_the_upstream_gets_the_limit_under_the_clients_name_for_it(field: str) -
     )
     body = _body(to_job(req, "r", "anonymous", Settings()))
     assert body[field] == 7 and len({"max_tokens", "max_completion_tokens"} & set(body)) == 1
+
+
+def test_vllms_extras_go_upstream_only_where_the_client_set_them() -> None:
+    """An upstream vLLM honours min_tokens, ignore_eos, min_p and repetition_penalty; one that does
+    not know them may refuse them, so a request that did not set them does not send them."""
+    msgs = [{"role": "user", "content": "x"}]
+    bare = _body(Job(request_id="r", kind="chat", model="m", messages=msgs))
+    assert not {"min_tokens", "ignore_eos", "min_p", "repetition_penalty"} & set(bare)
+    job = Job(request_id="r", kind="chat", model="m", messages=msgs, min_tokens=4, repetition_penalty=1.1)
+    assert {k: v for k, v in _body(job).items() if k not in bare} == {
+        "min_tokens": 4,
+        "repetition_penalty": 1.1,
+    }
