@@ -63,8 +63,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100:  # a denormal divisor sends a logit to inf
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:

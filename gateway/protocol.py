@@ -218,7 +218,8 @@ class _Sampling(_Request):
     min_tokens: TopK = 0
     ignore_eos: bool = False
     min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
+    # from 0.01: a logit divided by a denormal penalty overflows to inf (the fuzz test's 500)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100)
     speculative: SpeculativeOptions | None = None
     stream_granularity: Literal["step", "token"] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]

@@ -289,5 +289,6 @@ def test_min_p_drops_the_unlikely_and_keeps_the_likeliest():
     assert probs_from_logits(logits, SamplingParams(min_p=1.0))[0].argmax() == 0
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(min_p=1.5)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        SamplingParams(repetition_penalty=0)
+    for bad in (0, 5e-324, float("nan"), 101):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad)

@@ -446,7 +446,7 @@ async def test_vllms_sampling_extras_reach_the_engine_and_hold_back_stop_strings
         assert (p.min_tokens, p.ignore_eos, p.min_p, p.repetition_penalty) == (3, True, 0.05, 1.2)
         plain = (await c.post("/v1/chat/completions", json={**body, "min_tokens": 0})).json()
         assert plain["choices"][0]["message"]["content"] == "a"
-        for field, value in (("min_p", 1.5), ("repetition_penalty", 0), ("min_tokens", -1)):
+        for field, value in (("min_p", 1.5), ("repetition_penalty", 5e-324), ("min_tokens", -1)):
             r = await c.post("/v1/chat/completions", json={**body, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
     assert output_params({"min_tokens": 3}) != output_params({})

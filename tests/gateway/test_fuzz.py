@@ -67,6 +67,7 @@ def _narrow(doc: dict[str, Any]) -> dict[str, Any]:
                 integer_branch(props[limit])["maximum"] = 8
         integer_branch(props["n"])["maximum"] = 2
         integer_branch(props["top_k"])["maximum"] = 300
+        props["min_tokens"]["maximum"] = 8
         props["stop"] = {"anyOf": [{"type": "string", "maxLength": 8}, {"type": "null"}]}
         props["user"] = {"anyOf": [{"type": "string", "maxLength": 16}, {"type": "null"}]}
         # refused by name whatever they hold: valid requests leave them out
