@@ -287,12 +287,16 @@ async def openapi(request: Request) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     path = request.url.path[:MAX_CLIENT_CHARS]
-    # exc.headers carries 405's Allow, which the response must keep
-    err = APIError(
-        exc.status_code, f"{exc.detail}: {request.method} {path}", kind, headers=dict(exc.headers or {})
+    # OpenAI's words for a path it does not serve: "Invalid URL (POST /v1/nothing)", an
+    # invalid_request_error (clients branch on the type)
+    message = (
+        f"Invalid URL ({request.method} {path})"
+        if exc.status_code == 404
+        else f"{exc.detail}: {request.method} {path}"
     )
+    # exc.headers carries 405's Allow, which the response must keep
+    err = APIError(exc.status_code, message, "invalid_request_error", headers=dict(exc.headers or {}))
     return error_response(err)
 
 

@@ -60,7 +60,9 @@ def to_job(
     # best_of = n selects nothing (the n generated are the n returned): clients send best_of: 1
     selects = best_of is not None and (isinstance(best_of, bool) or best_of != req.n)
     for name in refused:
-        if getattr(req, name, None) is not None and (name != "best_of" or selects):
+        value = getattr(req, name, None)
+        # an empty suffix is none (clients of fill-in-the-middle send one)
+        if value is not None and (name != "best_of" or selects) and not (name == "suffix" and value == ""):
             raise bad_request(f"The parameter '{name}' is not supported by this server.", param=name)
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM refuse it
         raise bad_request(

@@ -340,6 +340,9 @@ def test_completion_errors(server: Server, headers: dict[str, str]) -> None:
     )
     # best_of = n selects nothing, so it is served (clients send best_of: 1); a selection is refused
     ok = {"model": "tiny", "prompt": "a", "max_tokens": 2, "temperature": 0}
+    # an empty suffix is no suffix: fill-in-the-middle clients send one with every prompt
+    r = httpx.post(server.base_url + "/completions", json={**ok, "suffix": ""}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
     for best_of, n in ((1, 1), (2, 2), (1.0, 1)):
         r = httpx.post(
             server.base_url + "/completions",
@@ -371,7 +374,9 @@ def test_more_generations_than_the_queue_holds_is_a_400(server: Server, headers:
 
 
 def test_unknown_route_and_method(server: Server, headers: dict[str, str]) -> None:
-    assert_error(httpx.get(server.base_url + "/nothing", headers=headers), 404)
+    """As OpenAI answers them: an unknown path is a 404 invalid_request_error naming it."""
+    err = assert_error(httpx.get(server.base_url + "/nothing", headers=headers), 404)
+    assert err["type"] == "invalid_request_error" and err["message"] == "Invalid URL (GET /v1/nothing)"
     r = httpx.get(server.base_url + "/chat/completions", headers=headers)
     assert_error(r, 405)
     assert r.headers["allow"] == "POST"
