@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from decoding.client import EngineClient
 from gateway import protocol, serving
 from gateway.cache.seam import GatewayCache
-from gateway.errors import APIError, error_response, to_api_error, unavailable
+from gateway.errors import APIError, clip, error_response, to_api_error, unavailable
 from gateway.limits import RateLimiter, RedisBuckets, body_deadline
 from gateway.local import LocalBackend
 from gateway.observability import Observability
@@ -191,7 +191,8 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     model_id = request.path_params["model_id"]
     if model_id not in _model_ids(_state(request)):
-        raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+        message = f"The model '{clip(model_id)}' does not exist."
+        raise APIError(404, message, param="model", code="model_not_found")
     return JSONResponse(protocol.ModelCard(id=model_id, created=request.app.state.started).model_dump())
 
 

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from decoding.errors import EngineOverloaded, EngineStopped, PromptTooLong, UnknownModel
+from gateway.observability.record import MAX_CLIENT_CHARS
 from gateway.protocol import ErrorBody, ErrorDetail
 
 log = logging.getLogger("specgate.gateway")
@@ -49,6 +50,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorBody(error=detail).model_dump()
+
+
+def clip(text: str, limit: int = MAX_CLIENT_CHARS) -> str:
+    """A client's string as an error message quotes it: cut, so a megabyte sent is not a megabyte echoed."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -97,7 +103,9 @@ def to_api_error(exc: BaseException, prompt_param: str = "messages", retry_after
     if isinstance(exc, ValidationError):
         return from_validation(exc)
     if isinstance(exc, UnknownModel):
-        return APIError(404, str(exc), param="model", code="model_not_found")
+        # the engine's message quotes the name whole
+        message = str(exc).replace(exc.model, clip(exc.model), 1)
+        return APIError(404, message, param="model", code="model_not_found")
     if isinstance(exc, PromptTooLong):
         return bad_request(exc.describe(prompt_param), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, EngineOverloaded):

@@ -77,6 +77,23 @@ async def test_unknown_model_names_are_one_metric_label_and_logged_bounded(caplo
     assert lines and max(len(line) for line in lines) < 2_000
 
 
+async def test_error_messages_quote_an_unknown_model_name_bounded() -> None:
+    """A 404 quoted the whole name a client sent: 200 KB in, 200 KB of error out."""
+    app = create_app(settings(), engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+    name = "m" * 200_000
+    async with client(app) as c:
+        replies = [
+            await c.post("/v1/chat/completions", json={"model": name, "messages": MSGS}),
+            await c.post("/v1/completions", json={"model": name, "prompt": "hi"}),
+            await c.get("/v1/models/" + name[:20_000]),
+        ]
+    for r in replies:
+        assert r.status_code == 404, r.text[:200]
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found"
+        assert error["message"].startswith("The model 'mmm") and len(error["message"]) < 400
+
+
 async def test_openapi_declares_path_parameters_and_405_carries_allow() -> None:
     app = create_app(settings(), engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
     async with client(app) as c:
