@@ -80,6 +80,15 @@ def test_controls() -> None:
     assert not c.no_cache and c.no_store and c.ttl_s == 60
 
 
+def test_unknown_control_fields_are_named_bounded() -> None:
+    """The refusal named every unknown field whole: 500 KB of them came back in the 400."""
+    fields = {f"k{i}" * 10: 1 for i in range(10_000)}
+    with pytest.raises(ValueError) as refused:
+        parse_controls({}, {"cache": fields}, 100)
+    assert "k0k0" in str(refused.value) and "9995 more" in str(refused.value)
+    assert len(str(refused.value)) < 400
+
+
 def test_guard_key_terms() -> None:
     f = key_terms("Isn't the `parse_args` result in Python 3.12 the largest, not five?")
     assert f.negations == 2 and f.numbers == ("3.12", "5") and f.polarity == ("largest",)
