@@ -26,7 +26,7 @@ from gateway.backends import Backend, Delta, Generation, Job, ServingCache
 from gateway.errors import APIError, bad_request, error_event, error_response, to_api_error, unavailable
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.limits import RateLimiter, read_body
-from gateway.observability import note_usage, observe_job
+from gateway.observability import note_completion, note_usage, observe_job
 from gateway.protocol import CHAT_ONLY, UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from gateway.routing import RoutingService
 from gateway.settings import Settings
@@ -317,6 +317,7 @@ async def _serve(
 
     def charge() -> None:
         note_usage(gen.prompt_tokens, fmt.completion_tokens)
+        note_completion(fmt.texts)  # for the log line and span, with observability.log_content
         state.limiter.charge_tokens(job.tenant, gen.prompt_tokens + fmt.completion_tokens)
 
     def finished() -> None:  # every delta arrived (no error, no disconnect): cache it

@@ -24,7 +24,13 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.observability.logs import RequestLogger
 from gateway.observability.metrics import Metrics
-from gateway.observability.record import RequestRecord, current_request, note_usage, observe_job
+from gateway.observability.record import (
+    RequestRecord,
+    current_request,
+    note_completion,
+    note_usage,
+    observe_job,
+)
 from gateway.observability.settings import ObservabilitySettings
 from gateway.observability.tracing import Tracing, provider_from_env
 
@@ -41,6 +47,7 @@ __all__ = [
     "RequestRecord",
     "Tracing",
     "current_request",
+    "note_completion",
     "note_usage",
     "observe_job",
 ]

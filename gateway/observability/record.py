@@ -126,6 +126,10 @@ def observe_job(job: Any) -> None:
         job.max_tokens,
         job.seed,
     )
+    if rec.log_content:  # a chat's turns one a line, or a completion's prompts
+        turns = job.messages or []
+        prompt = "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in turns)
+        rec.set_content(prompt=prompt if job.kind == "chat" else "\n".join(map(str, job.prompts or [])))
 
 
 def note_usage(prompt_tokens: int, completion_tokens: int) -> None:
@@ -133,3 +137,10 @@ def note_usage(prompt_tokens: int, completion_tokens: int) -> None:
     rec = _current.get()
     if rec is not None:
         rec.set_usage(prompt_tokens, completion_tokens)
+
+
+def note_completion(texts: list[str]) -> None:
+    """The text the response carries, every choice's one a line (kept only with ``log_content``)."""
+    rec = _current.get()
+    if rec is not None:
+        rec.set_content(completion="\n".join(texts))

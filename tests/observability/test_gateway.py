@@ -7,6 +7,7 @@ gets into a completion of a random model.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -148,4 +149,32 @@ async def test_canary_stays_out_of_logs_spans_and_metrics(
     assert any(rec.name == "specgate.request" for rec in caplog.records)
     assert CANARY not in caplog.text
     assert CANARY not in _all_span_text(exporter)
+    assert CANARY not in obs.metrics.render().decode()
+
+
+async def test_log_content_puts_prompt_and_completion_in_the_log_line_and_span(
+    engine: AsyncEngine,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``observability.log_content`` reached only a test app's handlers: the real gateway never
+    handed the record any text, so the setting did nothing."""
+    obs = Observability(ObservabilitySettings(log_json=True, log_content=True), tracer_provider=provider)
+    app = _app(engine, obs)
+    with caplog.at_level(logging.INFO, logger="specgate.request"):
+        async with _client(app) as c:
+            s = await c.post("/v1/chat/completions", json=_chat(f"say {CANARY}", max_tokens=4, stream=True))
+            r = await c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "plain prompt", "max_tokens": 4}
+            )
+    assert s.status_code == 200 and r.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "specgate.request"]
+    assert len(lines) == 2 and f"user: say {CANARY}" in lines[0] and "plain prompt" in lines[1]
+    roots = [s for s in exporter.get_finished_spans() if s.name.startswith("POST /v1/")]
+    assert [s.attributes["gen_ai.prompt"] for s in roots] == [f"user: say {CANARY}", "plain prompt"]
+    events = [json.loads(e[6:]) for e in s.text.split("\n\n") if e.startswith("data: {")]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert roots[0].attributes["gen_ai.completion"] == streamed
+    assert roots[1].attributes["gen_ai.completion"] == r.json()["choices"][0]["text"]
     assert CANARY not in obs.metrics.render().decode()
