@@ -48,11 +48,12 @@ async def first_available(
     from an upstream: the request's fault) propagate at once. When all fail the last error is raised."""
     assert attempts, "first_available needs at least one attempt"
     last: BaseException | None = None
-    for label, open_ in attempts:
+    for i, (label, open_) in enumerate(attempts):
         try:
             return label, await open_()
         except fallback_on as exc:
-            log.warning("route %s failed before the first byte, falling back: %s", label, exc)
             last = exc
+            if i + 1 < len(attempts):  # the last one's failure is the caller's answer, not a fallback
+                log.warning("route %s failed before the first byte, falling back: %s", label, exc)
     assert last is not None
     raise last

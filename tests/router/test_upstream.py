@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from router.upstream import (
     UpstreamRejected,
     UpstreamStreamBroken,
     UpstreamTimeout,
+    UpstreamUnavailable,
     encode_event,
 )
 from tests.router.conftest import FakeUpstream
@@ -165,6 +167,26 @@ async def test_dead_upstream_falls_back_before_the_first_byte(
         assert [e async for e in stream][-1]["choices"][0]["finish_reason"] == "stop"
     finally:
         await pool.aclose()
+
+
+async def test_only_a_real_fallback_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Every 503 of an overloaded engine with no fallback logged a WARNING 'falling back' (to
+    nothing): under overload, one line a refused request."""
+
+    async def refused() -> str:
+        raise UpstreamUnavailable("u", "full")
+
+    async def served() -> str:
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="specgate.router"):
+        with pytest.raises(UpstreamUnavailable):
+            await first_available([("only", refused)])
+        assert caplog.records == []
+        assert await first_available([("a", refused), ("b", served)]) == ("b", "ok")
+    assert [r.getMessage() for r in caplog.records] == [
+        "route a failed before the first byte, falling back: upstream 'u': full"
+    ]
 
 
 async def test_upstream_killed_mid_stream_ends_with_a_clean_error(upstream_b: FakeUpstream) -> None:
