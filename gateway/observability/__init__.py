@@ -92,6 +92,7 @@ class Observability:
             excluded_urls=UNTRACED,
             exclude_spans=["receive", "send"],
             default_span_details=_span_details,
+            server_request_hook=_bounded_url,
         )
         taken = {getattr(r, "path", None) for r in app.router.routes}
         for route in routes(self):
@@ -127,3 +128,24 @@ def _span_details(scope: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
     route = route_label(scope.get("path", ""))
     return f"{scope.get('method', 'HTTP')} {route}", {"http.route": route}
+
+
+_URL_KEYS = ("http.target", "http.url", "url.path", "url.full", "url.query")
+
+
+def _bounded_url(span: Any, scope: dict[str, Any]) -> None:
+    """The ASGI instrumentation puts the raw path and the query string on the server span whole
+    (``http.target``, ``http.url``): a client's strings, a 60 KB model id or a key sent as
+    ``?api-key=`` among them. Keep the path, cut to ``MAX_CLIENT_CHARS``, and no query."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from gateway.observability.record import MAX_CLIENT_CHARS
+
+    attrs = getattr(span, "attributes", None) or {}  # an SDK span's, as the instrumentation set them
+    path = str(scope.get("path", ""))[:MAX_CLIENT_CHARS]
+    for key in (k for k in _URL_KEYS if k in attrs):
+        if key in ("http.url", "url.full"):
+            url = urlsplit(str(attrs[key]))
+            span.set_attribute(key, urlunsplit((url.scheme, url.netloc, path, "", "")))
+        else:
+            span.set_attribute(key, "" if key == "url.query" else path)

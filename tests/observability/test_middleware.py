@@ -231,3 +231,20 @@ def _all_span_text(exporter: InMemorySpanExporter) -> str:
         parts.extend(f"{k}={v}" for k, v in (s.attributes or {}).items())
         parts.extend(str(e.attributes) for e in s.events)
     return "\n".join(parts)
+
+
+async def test_the_server_span_keeps_no_query_string_and_a_bounded_path(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """``http.url`` carried a query string whole (a key sent as ``?api-key=``) and ``http.target``
+    a 20 KB path."""
+    obs = Observability(tracer_provider=provider, models=["tiny"])
+    app = make_app(obs, ScriptedEngine(STEPS))
+    await _get(app, "/v1/models/" + "m" * 20_000 + f"?api-key={CANARY}")
+    await _get(app, f"/v1/models?q={CANARY}")
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 2
+    text = _all_span_text(exporter)
+    assert CANARY not in text and len(text) < 5_000
+    assert spans[1].attributes["http.url"] == "http://gw/v1/models"
+    assert spans[1].attributes["http.target"] == "/v1/models"
