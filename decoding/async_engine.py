@@ -142,7 +142,12 @@ class AsyncEngine:
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
-            if len(self._inbox) >= self.max_queued:
+            # the inbox holds requests the loop admits at its next turn (up to the free slots) and those
+            # that will wait: max_queued bounds the waiting. Counting all of them refused a burst that
+            # reached a step in progress while slots were free (3 admitted, 5 refused at max_active 4,
+            # max_queued 2, on the real gateway)
+            free = max(0, self.max_active - len(self._active))
+            if len(self._inbox) >= self.max_queued + free:
                 raise EngineOverloaded(len(self._inbox))
             self._inbox.append(pending)
             self._wake.notify()

@@ -817,3 +817,41 @@ def test_a_short_prompt_is_not_held_behind_a_long_ones_chunks():
     assert Engine.prefill_chunks([long, other, short], 64) == [(other, 34), (short, 30)]  # ties: in order
     assert Engine.prefill_chunks([long], 64) == [(long, 64)]
     assert Engine.prefill_chunks([long, short], None) == [(short, 34), (long, 2360)]
+
+
+async def test_a_burst_during_a_step_fills_the_free_slots_before_the_queue(tiny_models):
+    """max_queued bounds the requests that wait, not those the loop admits at its next turn: a burst
+    that arrives while a step runs gets the free slots and max_queued more, then 503s. It had counted
+    every request not yet admitted, so free slots went unused and clients were refused."""
+    import threading
+
+    from decoding.errors import EngineOverloaded
+
+    engine = Engine(tiny_models)
+    ae = AsyncEngine(engine, max_active=4, max_queued=2)
+    stepping, release = threading.Event(), threading.Event()
+
+    def hold(_step: object) -> None:  # the engine thread waits here, after a step, until released
+        stepping.set()
+        release.wait(60)
+
+    ae.add_step_observer(hold)
+    first = request(tiny_models, PROMPTS[0], "off", max_tokens=4)
+    burst = [request(tiny_models, PROMPTS[i % len(PROMPTS)], "off", max_tokens=3) for i in range(1, 6)]
+    try:
+        tasks = [asyncio.ensure_future(_collect(ae, first))]
+        while not stepping.is_set():  # one running request, the loop inside its step
+            await asyncio.sleep(0.001)
+        steps = [ae.submit(r) for r in burst]  # 3 free slots + 2 to wait: all accepted
+        with pytest.raises(EngineOverloaded):
+            ae.submit(request(tiny_models, PROMPTS[0], "off", max_tokens=3))
+        release.set()  # (later steps pass through hold at once)
+
+        async def drain(s):  # type: ignore[no-untyped-def]
+            return [out async for out in s]
+
+        outs = await asyncio.wait_for(asyncio.gather(*tasks, *(drain(s) for s in steps)), 120)
+    finally:
+        release.set()
+        ae.shutdown()
+    assert all(o[-1].finish_reason == FinishReason.LENGTH for o in outs[1:])
