@@ -281,7 +281,8 @@ def tiny_engine(tiny_models: Any) -> Any:
 
 
 async def test_overload_is_an_immediate_503(tiny_models: Any) -> None:
-    engine = AsyncEngine(Engine(tiny_models), max_queued=0)  # nothing may queue
+    # no slot free and nothing may queue (a free slot would take it: max_queued bounds the waiting)
+    engine = AsyncEngine(Engine(tiny_models), max_active=0, max_queued=0)
     try:
         app = create_app(settings(), engine=engine)
         async with client(app) as c:
