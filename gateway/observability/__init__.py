@@ -131,6 +131,8 @@ def _span_details(scope: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 _URL_KEYS = ("http.target", "http.url", "url.path", "url.full", "url.query")
+# other client strings the instrumentation copies from headers: kept, cut like the rest
+_HEADER_KEYS = ("http.user_agent", "user_agent.original", "http.host", "net.host.name", "server.address")
 
 
 def _bounded_url(span: Any, scope: dict[str, Any]) -> None:
@@ -146,6 +148,8 @@ def _bounded_url(span: Any, scope: dict[str, Any]) -> None:
     for key in (k for k in _URL_KEYS if k in attrs):
         if key in ("http.url", "url.full"):
             url = urlsplit(str(attrs[key]))
-            span.set_attribute(key, urlunsplit((url.scheme, url.netloc, path, "", "")))
+            span.set_attribute(key, urlunsplit((url.scheme, url.netloc[:MAX_CLIENT_CHARS], path, "", "")))
         else:
             span.set_attribute(key, "" if key == "url.query" else path)
+    for key in (k for k in _HEADER_KEYS if k in attrs):
+        span.set_attribute(key, str(attrs[key])[:MAX_CLIENT_CHARS])
