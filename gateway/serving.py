@@ -87,13 +87,17 @@ def to_job(
         )
     prompts = _prompts(req.prompt) if isinstance(req, CompletionRequest) else None
     choices = req.n * (len(prompts) if prompts is not None else 1)
-    if choices > limits.max_queued:
-        # each choice is one engine request: more than the queue holds could never be admitted,
-        # so a 503 telling the client to retry would be a lie
+    # each choice is one engine request: more than can run and wait at once could never be admitted,
+    # so a 503 telling the client to retry would be a lie. The engine takes max_queued waiting beside
+    # its free slots (AsyncEngine.submit): at least one where max_active is sized at start (unset),
+    # so `max_queued: 0` (nothing waits) still serves; it refused every request
+    running = limits.max_active or 1
+    if choices > limits.max_queued + running:
         param = "prompt" if prompts is not None and len(prompts) > 1 else "n"
         raise bad_request(
-            f"This request needs {choices} generations (prompts x n), more than the server queues at once "
-            f"(limits.max_queued = {limits.max_queued}); split it into smaller requests.",
+            f"This request needs {choices} generations (prompts x n), more than the server runs and queues "
+            f"at once (limits.max_queued = {limits.max_queued} waiting beside {running} running); split it "
+            "into smaller requests.",
             param=param,
         )
     spec = _spec(req)

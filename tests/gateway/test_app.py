@@ -295,6 +295,25 @@ async def test_overload_is_an_immediate_503(tiny_models: Any) -> None:
         engine.shutdown()
 
 
+def test_max_queued_zero_serves_what_a_free_slot_takes() -> None:
+    """limits.max_queued bounds the requests that wait; with 0 (nothing waits) a request a free slot
+    takes is still served: the gateway refused every request with a 400 naming the queue. More
+    generations than can run and wait at once are still refused up front."""
+    from gateway.errors import APIError
+    from gateway.protocol import ChatCompletionRequest
+    from gateway.serving import to_job
+
+    s = Settings(limits={"max_queued": 0})  # type: ignore[arg-type]
+    one = ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS})
+    assert to_job(one, "r", "t", s).n == 1
+    two = ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, "n": 2})
+    with pytest.raises(APIError) as refused:
+        to_job(two, "r", "t", s)
+    assert refused.value.status == 400 and "max_queued = 0" in refused.value.message
+    s = Settings(limits={"max_queued": 0, "max_active": 2})  # type: ignore[arg-type]
+    assert to_job(two, "r", "t", s).n == 2
+
+
 async def test_prompts_are_tokenised_off_the_event_loop(tiny_engine: AsyncEngine, monkeypatch: Any) -> None:
     tok = tiny_engine.tokenizer("tiny")
     threads: list[int] = []
