@@ -114,9 +114,19 @@ class ChatFormat(_Formatter):
     prefix = "chatcmpl-"
     envelope = ChatCompletionChunk
 
-    def __init__(self, model: str, include_usage: bool, choices: int, prediction: bool = False):
+    def __init__(
+        self,
+        model: str,
+        include_usage: bool,
+        choices: int,
+        prediction: bool = False,
+        calls_only: bool = False,
+    ):
         super().__init__(model, include_usage, choices)
         self.prediction = prediction
+        # tool_choice required or named: the answer is tool calls alone, whose first delta OpenAI
+        # sends with content null (the SDK's stream helper then ends with content None, not "")
+        self.calls_only = calls_only
         self.calls: list[list[dict[str, Any]]] = [[] for _ in range(choices)]  # tool_calls per choice
 
     def fold(self, d: Delta) -> None:
@@ -160,7 +170,13 @@ class ChatFormat(_Formatter):
 
     def opening(self, gen: Generation) -> list[str]:
         return [
-            self._chunk([ChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+            self._chunk(
+                [
+                    ChunkChoice(
+                        index=i, delta={"role": "assistant", "content": None if self.calls_only else ""}
+                    )
+                ]
+            )
             for i in range(len(self.texts))
         ]
 

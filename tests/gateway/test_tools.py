@@ -343,3 +343,24 @@ async def test_a_cached_answer_replays_its_tool_calls_under_new_ids() -> None:
         streamed[tc["index"]]["arguments"] += tc["function"]["arguments"]
     assert list(streamed.values()) == [tc["function"] for tc in fresh["message"]["tool_calls"]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}, "auto"]
+)
+async def test_a_forced_call_streams_its_first_delta_with_content_null(choice: Any) -> None:
+    """tool_choice required or named: the answer is calls alone, and its first delta carries content
+    null, as OpenAI's does (the SDK's stream helper then ends with content None); under auto nothing
+    is known yet, and it carries "" as for text."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = token_ids(f"{text}<END>")
+    engine = ScriptedEngine([ids[i : i + 5] for i in range(0, len(ids), 5)])
+    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                            "tools": [WEATHER], "tool_choice": choice, "stop": ["<END>"], "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        raw = (await c.post("/v1/chat/completions", json=body)).text
+    chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    first = chunks[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and first["content"] == (None if choice != "auto" else "")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
