@@ -518,8 +518,8 @@ def main(argv: list[str] | None = None) -> None:
             if not args.batch_invariant:
                 tm.capture(range(1, 2), buckets, chunk_tokens=(256,))  # the fast engine's prefill budget
                 tm.capture(range(2, tm.max_graph_tokens + 1), buckets)  # auto_fast's verification widths
-            te.capture(range(1, 2), buckets)  # and shows exact mode's widths (GraphSet.prove)
-            R["exact_widths"] = {B: list(ws) for B, ws in sorted(te.graphs.proven.items())}
+            te.capture(range(1, 2), buckets)  # and shows exact mode's widths (decoding.exact)
+            R["exact_widths"] = {B: list(ws) for B, ws in sorted(te.widths.proven.items())}
             dm.capture(range(1, dm.max_graph_tokens + 1), buckets)  # a 9-token catch-up row too
             for m in (te, dm):  # prompts and the draft's prompt backlogs, up to 512 tokens a step
                 m.capture(range(0), (), chunk_tokens=(128, 256, 512))

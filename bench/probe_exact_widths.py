@@ -1,4 +1,4 @@
-"""Device probe: which widths exact mode may run unpadded on the 7B shape (``GraphSet.prove``), and
+"""Device probe: which widths exact mode may run unpadded on the 7B shape (``decoding.exact.ExactWidths.prove``), and
 how long its probe must be to see a width that rounds apart.
 
     python -m bench.probe_exact_widths
@@ -15,7 +15,7 @@ import time
 import torch
 
 from bench.gpu import TARGET, build
-from decoding import graphs
+from decoding import exact
 from decoding.static import StaticModel
 
 
@@ -23,15 +23,16 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     m = StaticModel(build(TARGET, 0), 512, slots=4, graphs=True, compile_step=True, exact=True)
     m.warm()
-    own = m.own_compile
-    for tokens in (1, 4, graphs.PROOF_TOKENS):
-        graphs.PROOF_TOKENS = tokens
+    widths = m.widths
+    own = widths.own_compile
+    for tokens in (1, 4, exact.PROOF_TOKENS):
+        exact.PROOF_TOKENS = tokens
         for engine in (False, True):
-            m.own_compile = own if engine else (lambda rows, width: False)  # type: ignore[method-assign]
-            m.graphs.proven.clear()
+            widths.own_compile = own if engine else (lambda rows, width: False)  # type: ignore[method-assign]
+            widths.proven.clear()
             for B in (1, 2, 4, 16, 64):
                 t = time.perf_counter()
-                shown = m.graphs.prove(B)
+                shown = widths.prove(B)
                 print(
                     f"probe {tokens:2d} tokens, own compile {'skipped' if engine else 'probed '}: bucket {B:2d} "
                     f"shows {shown} ({time.perf_counter() - t:.1f}s)",

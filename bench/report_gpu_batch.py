@@ -96,7 +96,7 @@ def _exact_widths(R: dict[str, Any]) -> str:
     full = [int(B) for B, ws in shown.items() if len(ws) == X]
     part = {int(B): ws for B, ws in shown.items() if len(ws) < X}
     text = (
-        "rows at the narrowest width the device showed to round as width 9 does (`GraphSet.prove`, from "
+        "rows at the narrowest width the device showed to round as width 9 does (`decoding.exact`, from "
         f"2026-12-04 15:46 UTC): every width 1..{X} in batch buckets {', '.join(map(str, sorted(full))) or 'none'}"
     )
     for B, ws in sorted(part.items()):

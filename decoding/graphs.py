@@ -8,8 +8,8 @@ serve every batch: padding rows and padding chunk tokens write to the pool's scr
     _Graph    one captured step shape: its static buffers and its replay
 
 A step's shape (width, batch bucket, attended length; exact mode's padding) is decided by
-``StaticModel.step_shape``, not here; which widths exact mode may run unpadded is shown here, on the
-device, by ``GraphSet.prove``.
+``StaticModel.step_shape``, not here; which widths exact mode may run unpadded is shown with these
+graphs by ``decoding.exact``.
 """
 
 from __future__ import annotations
@@ -42,17 +42,6 @@ def chunk_bucket(n: int) -> int:
     return next(b for b in CHUNK_BUCKETS if b >= n)
 
 
-# exact mode's probe (GraphSet.prove): tokens each row decodes at every width, and logits compared of each
-PROOF_TOKENS = 36
-PROOF_LOGITS = 4096
-
-
-def agrees(reference: torch.Tensor, logits: torch.Tensor) -> bool:
-    """Whether a probe decoded at a narrower width gave the exact width's logits, bit for bit
-    (``GraphSet.prove``)."""
-    return torch.equal(logits, reference)
-
-
 def chunk_rows(long: list[Row], n: int, device: torch.device) -> torch.Tensor:
     """The fused chunk kernel's [n, 4] row table of ``long`` (rows past them unused), on ``device``."""
     table, at = [], 0
@@ -77,9 +66,6 @@ class GraphSet:
         self.pool = torch.cuda.graph_pool_handle() if m.graphs_enabled else None
         # a one-row step's graph per slot (``get``), unless the fused kernel reads its slot from a buffer
         self.per_slot = not m.fused_attention
-        # exact mode, by batch bucket: the widths whose graph this device showed to compute each row as
-        # the exact width's does (``prove``); a bucket not here pads every row to the exact width
-        self.proven: dict[int, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self.captured)
@@ -160,8 +146,8 @@ class GraphSet:
             self.get(0, 0, 0, -1, P)
         for B in batch_sizes:
             if m.exact:  # exact mode: the widths its steps run at (step_shape), once they are shown
-                self.prove(B)
-            for W in {m.exact_width(B, W) if m.exact else W for W in token_counts}:
+                m.widths.prove(B)
+            for W in {m.widths.width(B, W) if m.exact else W for W in token_counts}:
                 self.get(B, W, m.step_shape(B, W, 0, m.exact).attn_len, m.scratch)
                 for P in chunks:
                     self.get(B, W, 0, -1, P)
@@ -178,61 +164,6 @@ class GraphSet:
         self.capture(range(1, 2), buckets, chunk_tokens=(CHUNK_BUCKETS[-1],))
         self.capture(range(2, self.m.max_graph_tokens + 1), buckets)
         return len(self.captured) - before
-
-    @torch.inference_mode()
-    def prove(self, B: int) -> tuple[int, ...]:
-        """Exact mode's widths for steps of batch bucket ``B``: the exact width (``max_graph_tokens``,
-        where every row of every step ran before), and each narrower width whose graph computes the
-        same bits for every token, shown here by decoding one probe at both widths.
-
-        Exact mode needs a verification row to round as a one-token row does, so that greedy
-        speculation emits what plain decoding does. Padding every row to one width guarantees it
-        at the price of computing the padding: at 16-64 rows on the H200's 7B shape exact mode
-        decoded at 0.43-0.82x of fast mode (docs/benchmarks.md). Whether a narrower step rounds the
-        same is a property of the kernels its shape selects (cuBLAS picks its GEMM by M), not of the
-        numbers in it, so a probe per shape settles it for this device, library and model. The
-        probe must be long: a kernel that sums in another order moves a float32 sum by an ulp or
-        so, which changes a bf16 value only near a rounding boundary, and on the H200 a one-token
-        probe matched where decoding later parted at a tie. So each row decodes PROOF_TOKENS
-        tokens, in steps of the exact width and then of the narrower one, and the logits of every
-        token must match (their first PROOF_LOGITS columns: a changed hidden state moves nearly
-        every logit). Rows are on free slots and the scratch slot, rows sharing a slot the same
-        tokens (they write the same K/V there). A width that is not shown keeps padding, to the
-        narrowest wider width that is (``StaticModel.exact_width``); one that runs other compiled
-        code than the rest (``StaticModel.own_compile``) is never shown. Before requests: the
-        replays use the graphs' buffers."""
-        m = self.m
-        X = m.max_graph_tokens
-        if not (m.graphs_enabled and m.fused_attention):  # no graphs to show it with: pad
-            return (X,)
-        if B in self.proven:
-            return self.proven[B]
-        taken: list[int] = []
-        try:
-            while len(taken) + 1 < B and m.free_slots:
-                taken.append(m.acquire())
-            slots = [*taken, m.scratch]
-            rows = [slots[b % len(slots)] for b in range(B)]
-            L = min(PROOF_TOKENS, m.cache_len - X)
-            gen = torch.Generator().manual_seed(B)
-            ids = torch.randint(0, m.embed.shape[0], (len(slots), L + X), generator=gen)
-            ids = ids[[b % len(slots) for b in range(B)]]  # [B, L + X]
-
-            def decode(w: int) -> torch.Tensor:  # [B, L, PROOF_LOGITS]: the probe in steps of w
-                g = self.get(B, w, 0, m.scratch)
-                outs = [
-                    g.run(rows, [s] * B, ids[:, s : s + w].contiguous())[..., :PROOF_LOGITS].clone()
-                    for s in range(0, L, w)
-                ]
-                return torch.cat(outs, dim=1)[:, :L]
-
-            ref = decode(X)
-            shown = [w for w in range(1, X) if not m.own_compile(B, w) and agrees(ref, decode(w))]
-        finally:
-            for slot in taken:
-                m.release(slot)
-        self.proven[B] = (*shown, X)
-        return self.proven[B]
 
     @torch.inference_mode()  # as every step's tensors are: the graphs' buffers are inference tensors
     def time_replays(self, reps: int = 5) -> dict[tuple[int, int], float]:

@@ -311,8 +311,8 @@ def runner_factories(
             n,
             spec.max_batch,
             time.perf_counter() - t0,
-            # exact mode's widths by batch bucket: the rest pad to the next one (GraphSet.prove)
-            f"; exact widths {static.graphs.proven}" if static.exact else "",
+            # exact mode's widths by batch bucket: the rest pad to the next one (decoding.exact)
+            f"; exact widths {static.widths.proven}" if static.exact else "",
         )
     return static.runner, static.draft_runner
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from decoding import invariant, kernels
+from decoding.exact import ExactWidths
 from decoding.graphs import GraphSet, batch_bucket, chunk_rows
 from decoding.layers import (
     TORCH_OPS,
@@ -145,7 +146,7 @@ class StaticModel(PooledSlots):
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.max_graph_tokens = max_graph_tokens
         # exact mode: every short step of a row runs at one width, max_graph_tokens, or a narrower one
-        # the device showed to round alike (exact_width; without the fused kernel, over the whole
+        # the device showed to round alike (decoding.exact; without the fused kernel, over the whole
         # cache; see step_shape and docs/architecture.md, Exact mode). Drafters never need it.
         self.exact = exact
         # batch-invariant exact mode (CUDA, opt-in): every matmul and RMSNorm through kernels whose rows
@@ -174,6 +175,7 @@ class StaticModel(PooledSlots):
             else 0
         )
         self.graphs = GraphSet(self)  # after fused_attention: one-row graphs per slot without it
+        self.widths = ExactWidths(self)  # exact mode's widths, shown through the graphs at capture
         self.compiled = compile_step
         self._entry: Callable[..., torch.Tensor] = layer_entry
         self._between: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_boundary
@@ -208,37 +210,18 @@ class StaticModel(PooledSlots):
     def step_shape(self, rows: int, widest: int, last_start: int, exact: bool) -> StepShape:
         """The shape a step's short rows run at: ``rows`` of them, the widest ``widest`` tokens long,
         the largest start ``last_start``. Exact mode's padding is decided here (docs/architecture.md,
-        Exact mode): every row at ``exact_width``, a graph of short rows alone at least
+        Exact mode): every row at ``widths.width``, a graph of short rows alone at least
         ``exact_min_rows`` rows, attention over the whole cache."""
         bucket = batch_bucket(max(rows, self.exact_min_rows) if exact else rows)
-        W = self.exact_width(bucket, widest) if exact else widest
+        W = self.widths.width(bucket, widest) if exact else widest
         if self.fused_attention:  # it reads each row up to its own length: no graph per attended length
             return StepShape(bucket, W, 0)
         return StepShape(bucket, W, self.cache_len if exact else self._attn_len(last_start + W))
 
-    def exact_width(self, bucket: int, widest: int) -> int:
-        """The width an exact step of ``bucket`` rows, the widest ``widest`` tokens, runs every row
-        at: the narrowest that this device showed to round as the exact width does
-        (``GraphSet.prove``), else the exact width, ``max_graph_tokens``. Eager steps (graphs off)
-        always pad: what was shown is the graphs' kernels."""
-        proven = self.graphs.proven.get(bucket, ()) if self.graphs_enabled else ()  # shown by graphs
-        return min((w for w in proven if w >= widest), default=self.max_graph_tokens)
-
-    def own_compile(self, rows: int, width: int) -> bool:
-        """Whether a step of ``rows`` x ``width`` tokens runs compiled code of its own: one token in
-        all is compiled for N = 1, every other count shares one dynamic compile (``_forward``). Such
-        a step is never shown to round as the exact width does (``GraphSet.prove``): on the H200 a
-        one-token step matched a probe and parted from verification rows at a tie."""
-        return self.compiled and rows * width == 1
-
     @property
     def exact_padding(self) -> int:
-        """The width exact mode's verifications are priced at whatever their k
-        (``BatchCosts.padded_width``): 0 where every bucket shown runs every verification width
-        (2..``max_graph_tokens``) unpadded, else ``max_graph_tokens``."""
-        every = set(range(2, self.max_graph_tokens + 1))
-        proven = self.graphs.proven.values()
-        return 0 if proven and all(every <= set(ws) for ws in proven) else self.max_graph_tokens
+        """What the engine's cost model reads (``engine._padded_width``): ``ExactWidths.padding``."""
+        return self.widths.padding
 
     def _attn_len(self, end: int) -> int:
         """Cache positions a step attends over outside exact mode: the smallest power of two from 256
@@ -466,10 +449,10 @@ class StaticModel(PooledSlots):
         table the engine's batch cost model starts from (before requests: the replays write to the
         scratch slot through the graphs' own buffers)."""
         table = self.graphs.time_replays()
-        if self.exact:  # a step of width w runs at exact_width's (step_shape): it costs that one
+        if self.exact:  # a step of width w runs at widths.width's (step_shape): it costs that one
             buckets = {B for B, _ in table if B}
             widths = range(1, self.max_graph_tokens + 1)
-            runs = {(B, w): (B, self.exact_width(B, w)) for B in buckets for w in widths}
+            runs = {(B, w): (B, self.widths.width(B, w)) for B in buckets for w in widths}
             table = {k: t for k, t in table.items() if not k[0]} | {
                 k: table[r] for k, r in runs.items() if r in table
             }

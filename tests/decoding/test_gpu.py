@@ -148,16 +148,16 @@ def _pair(target: StaticModel, draft: StaticModel) -> Engine:
 def test_exact_mode_rows_equal_one_token_steps_in_bf16(compile_step, shown):
     """On a GPU, 1-row and 9-row steps may run different GEMM and attention kernels; exact mode runs
     both at one width, or (``shown``: graphs captured ahead, as a server's load does) at the widths
-    GraphSet.prove showed to round alike, so each verification row equals the 1-token step to the
+    ExactWidths.prove showed to round alike, so each verification row equals the 1-token step to the
     bit."""
     static = StaticModel(
         _bf16_model(512, 4, 0), 256, slots=1, graphs=True, compile_step=compile_step, exact=True
     )
     if shown:
         static.capture(range(1, static.max_graph_tokens + 1), (1,))
-        assert static.max_graph_tokens in static.graphs.proven[1]
+        assert static.max_graph_tokens in static.widths.proven[1]
         if compile_step:
-            assert 1 not in static.graphs.proven[1]  # N = 1's own compile: never shown
+            assert 1 not in static.widths.proven[1]  # N = 1's own compile: never shown
     r = static.runner()
     r.forward(list(range(100, 160)), logits=False)
     base = r.length
@@ -171,23 +171,23 @@ def test_exact_mode_rows_equal_one_token_steps_in_bf16(compile_step, shown):
 
 
 def test_a_width_the_device_does_not_show_keeps_padding(monkeypatch):
-    """GraphSet.prove keeps only the widths whose probe matched the exact width's to the bit, and
+    """ExactWidths.prove keeps only the widths whose probe matched the exact width's to the bit, and
     never one that runs compiled code of its own: such a width is not run, its steps pad to the next
     width shown; where no probe matches, every step pads as exact mode did before."""
-    from decoding import graphs
+    from decoding import exact
 
     static = StaticModel(_bf16_model(512, 4, 0), 256, slots=2, graphs=True, exact=True)
     X = static.max_graph_tokens
-    monkeypatch.setattr(static, "own_compile", lambda rows, width: width == 3)
+    monkeypatch.setattr(static.widths, "own_compile", lambda rows, width: width == 3)
     static.capture(range(1, 2), (2,))
-    shown = static.graphs.proven[2]
+    shown = static.widths.proven[2]
     assert 3 not in shown and X in shown
     assert static.step_shape(2, 3, 0, exact=True).width == min(w for w in shown if w > 3)
     assert static.exact_padding == X  # a verification of k = 2 pads: priced as exact mode was
-    assert static.graphs.proven.get(1) is None  # bucket by bucket
-    monkeypatch.setattr(graphs, "agrees", lambda ref, out: False)
+    assert static.widths.proven.get(1) is None  # bucket by bucket
+    monkeypatch.setattr(exact, "agrees", lambda ref, out: False)
     static.capture(range(1, 2), (4,))
-    assert static.graphs.proven[4] == (X,)
+    assert static.widths.proven[4] == (X,)
     assert static.step_shape(3, 1, 0, exact=True).width == X
     assert static.free_slots == 2  # the probe's slots were given back
 
@@ -330,14 +330,14 @@ def test_exact_mode_gives_each_request_its_output_alone_in_any_batch(compile_ste
     """bf16, where a batch's other rows would change a row's rounding through cuBLAS: in exact mode
     each greedy request's tokens are the same alone as in batches of 2, 5 and 16, whoever joins.
     Compiled, the graphs are captured ahead as a server's load does, so its steps run at the widths
-    GraphSet.prove showed (the invariant kernels' rows do not depend on M: every width)."""
+    ExactWidths.prove showed (the invariant kernels' rows do not depend on M: every width)."""
     from tests.decoding.test_batch import run_batch
 
     target = _invariant_model(512, 16, compile_step)
     if compile_step:
         target.capture_serving(16)
-        X = target.max_graph_tokens  # every width, but N = 1's own compile (StaticModel.own_compile)
-        assert all(ws == tuple(range(1 + (B == 1), X + 1)) for B, ws in target.graphs.proven.items())
+        X = target.max_graph_tokens  # every width, but N = 1's own compile (ExactWidths.own_compile)
+        assert all(ws == tuple(range(1 + (B == 1), X + 1)) for B, ws in target.widths.proven.items())
     # the target's own weights as its draft (acceptance is high; rejections fall where bf16 rounds)
     draft = StaticModel(_bf16_model(512, 4, 0), 512, slots=16, graphs=True, compile_step=compile_step)
     engine = _pair(target, draft)
@@ -454,5 +454,5 @@ def test_timing_the_captured_steps_leaves_every_live_slot_as_it_was(gpu_models, 
     assert set(table) == {(B, W) for B in (1, 2) for W in widths} | chunks
     assert all(t > 0 for t in table.values())
     if exact:
-        assert all(table[B, W] == table[B, sm.exact_width(B, W)] for B in (1, 2) for W in widths)
+        assert all(table[B, W] == table[B, sm.widths.width(B, W)] for B in (1, 2) for W in widths)
     assert torch.equal(r.forward([5]), before)

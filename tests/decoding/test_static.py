@@ -150,31 +150,35 @@ def test_exact_rows_are_bit_identical_to_one_token_steps(tiny_models):
 
 
 def test_exact_steps_pad_to_the_narrowest_width_the_device_showed(tiny_models):
-    """Exact mode's width for a step (StaticModel.exact_width): the narrowest width at least as wide
-    as its widest row that GraphSet.prove showed for its bucket, else the exact width. Nothing shown
+    """Exact mode's width for a step (decoding.exact.ExactWidths.width): the narrowest width at least as wide
+    as its widest row that ExactWidths.prove showed for its bucket, else the exact width. Nothing shown
     (a CPU, no graphs, a bucket not proven) pads every row as before; a width shown for one bucket
     says nothing of another; and the cost model prices verifications by rows only where every
-    bucket shown runs every verification width unpadded (exact_padding)."""
+    bucket shown runs every verification width unpadded (padding)."""
     static = StaticModel(tiny_models["tiny"].model, max_len=64, slots=2, graphs=False, exact=True)
     X = static.max_graph_tokens
     assert static.step_shape(2, 1, 0, exact=True).width == X
     assert static.exact_padding == X
-    static.graphs.proven = {1: (2, 3, 5, X), 2: (*range(1, X), X)}
-    assert static.exact_width(1, 1) == X  # graphs off: what was shown is the graphs' kernels
+    static.widths.proven = {1: (2, 3, 5, X), 2: (*range(1, X), X)}
+    assert static.widths.width(1, 1) == X  # graphs off: what was shown is the graphs' kernels
     static.graphs_enabled = True  # (a CPU model cannot replay graphs: only the choice is under test)
-    assert [static.exact_width(1, w) for w in range(1, X + 1)] == [2, 2, 3, 5, 5, *[X] * (X - 5)]
-    assert [static.exact_width(2, w) for w in range(1, X + 1)] == list(range(1, X + 1))
-    assert static.exact_width(4, 1) == X  # a bucket not proven
+    assert [static.widths.width(1, w) for w in range(1, X + 1)] == [2, 2, 3, 5, 5, *[X] * (X - 5)]
+    assert [static.widths.width(2, w) for w in range(1, X + 1)] == list(range(1, X + 1))
+    assert static.widths.width(4, 1) == X  # a bucket not proven
     assert static.step_shape(2, 1, 0, exact=True).width == 1
     assert static.step_shape(2, 1, 0, exact=False).width == 1
     static.exact_min_rows = 4  # the bucket exact_min_rows holds a step at is the one looked up
     assert static.step_shape(2, 1, 0, exact=True).width == X
     assert static.exact_padding == X  # bucket 1 pads widths 4, 6, 7, 8
-    static.graphs.proven[1] = tuple(range(2, X + 1))
+    static.widths.proven[1] = tuple(range(2, X + 1))
     assert static.exact_padding == 0  # width 1 padded to 2 is a plain step's matter, not k's
-    assert not static.own_compile(1, 1)  # eager: one code for every shape
+    assert not static.widths.own_compile(1, 1)  # eager: one code for every shape
     static.compiled = True  # compiled: one token in all is N = 1's own static compile
-    assert static.own_compile(1, 1) and not static.own_compile(1, 2) and not static.own_compile(2, 1)
+    assert (
+        static.widths.own_compile(1, 1)
+        and not static.widths.own_compile(1, 2)
+        and not static.widths.own_compile(2, 1)
+    )
 
 
 def test_exact_speculation_in_bf16_equals_target_only(tiny_models):
