@@ -19,12 +19,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry.sdk.trace import TracerProvider
 
 from gateway.observability.logs import RequestLogger
 from gateway.observability.metrics import Metrics
 from gateway.observability.record import (
+    MAX_CLIENT_CHARS,
     RequestRecord,
     current_request,
     note_completion,
@@ -139,10 +141,6 @@ def _bounded_url(span: Any, scope: dict[str, Any]) -> None:
     """The ASGI instrumentation puts the raw path and the query string on the server span whole
     (``http.target``, ``http.url``): a client's strings, a 60 KB model id or a key sent as
     ``?api-key=`` among them. Keep the path, cut to ``MAX_CLIENT_CHARS``, and no query."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    from gateway.observability.record import MAX_CLIENT_CHARS
-
     attrs = getattr(span, "attributes", None) or {}  # an SDK span's, as the instrumentation set them
     path = str(scope.get("path", ""))[:MAX_CLIENT_CHARS]
     for key in (k for k in _URL_KEYS if k in attrs):

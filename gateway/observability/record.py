@@ -142,5 +142,5 @@ def note_usage(prompt_tokens: int, completion_tokens: int) -> None:
 def note_completion(texts: list[str]) -> None:
     """The text the response carries, every choice's one a line (kept only with ``log_content``)."""
     rec = _current.get()
-    if rec is not None:
+    if rec is not None and rec.log_content:  # no join on every request where nothing keeps it
         rec.set_content(completion="\n".join(texts))
