@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from decoding.params import SpecParams
+
+# vLLM's sampling extras a Job carries (a remote upstream gets those a client set: Job.vllm_extras)
+VLLM_EXTRAS = ("min_tokens", "ignore_eos", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Job:
     seed: int | None = None
     stops: tuple[str, ...] = ()
     presence_penalty: float = 0.0
-    # vLLM's extras (protocol._Sampling): min_tokens, ignore_eos, min_p, repetition_penalty
+    # vLLM's extras (protocol._Sampling; VLLM_EXTRAS)
     min_tokens: int = 0
     ignore_eos: bool = False
     min_p: float = 0.0
@@ -66,6 +69,17 @@ class Job:
     def calls_tools(self) -> bool:
         """Tools may be called (so output text is parsed for calls)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def calls_only(self) -> bool:
+        """The answer is tool calls alone: tool_choice required or a named function (grammars.grammar_for
+        forces the calls)."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+    def vllm_extras(self) -> dict[str, Any]:
+        """vLLM's sampling extras this job sets (those away from their neutral defaults)."""
+        defaults = {f.name: f.default for f in fields(self) if f.name in VLLM_EXTRAS}
+        return {k: getattr(self, k) for k in VLLM_EXTRAS if getattr(self, k) != defaults[k]}
 
 
 @dataclass

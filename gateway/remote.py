@@ -42,8 +42,7 @@ def _body(job: Job) -> dict[str, Any]:
         body["stop"] = list(job.stops)
     # vLLM's extras, only where the client set them: an upstream that does not know them may refuse
     # them, which the client then sees, rather than have them silently dropped
-    extras = {"min_tokens": 0, "ignore_eos": False, "min_p": 0.0, "repetition_penalty": 1.0}
-    body |= {k: getattr(job, k) for k, neutral in extras.items() if getattr(job, k) != neutral}
+    body |= job.vllm_extras()
     if job.user is not None:
         body["user"] = job.user
     if job.logit_bias:

@@ -300,13 +300,12 @@ async def _serve(
         # the response names the model that serves it (`auto` resolves to a real one), as OpenAI does
         served = route.job.model
         if isinstance(req, ChatCompletionRequest):
-            forced = job.tool_choice == "required" or isinstance(job.tool_choice, dict)
             fmt: ChatFormat | CompletionFormat = ChatFormat(
                 served,
                 req.include_usage,
                 _choices(job),
                 prediction=job.prediction is not None,
-                calls_only=bool(job.tools) and forced,
+                calls_only=job.calls_only,
             )
         else:
             fmt = CompletionFormat(served, req.include_usage, _choices(job), job.n, job.echo)
