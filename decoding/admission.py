@@ -13,7 +13,7 @@ from decoding.drafters import Drafter, DraftModelDrafter, PredictionDrafter, Pro
 from decoding.errors import InvalidParameter, PromptTooLong, UnknownModel
 from decoding.params import GenerationRequest, SpecMode
 from decoding.runner import SequenceRunner, as_ids
-from decoding.sequence import LoadedModel, Sequence
+from decoding.sequence import LoadedModel, Sequence, ending_ids
 
 # SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
 # the probability is read for free (every op is synchronous) and measured on the real pair it pays
@@ -55,7 +55,7 @@ def shaping(target: LoadedModel, request: GenerationRequest) -> Shaping | None:
     if request.grammar is not None:
         constraint = Constraint(request.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids)
     # the ids that would end it (Sequence.stops): none of them before min_tokens tokens
-    stops = sorted(set(params.stop_token_ids) | set(() if params.ignore_eos else target.eos_token_ids))
+    stops = sorted(ending_ids(params, target.eos_token_ids))
     early = (as_ids(stops, target.device), params.min_tokens) if params.min_tokens and stops else None
     return Shaping(bias, constraint, early)
 

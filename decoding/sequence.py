@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,10 +13,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from decoding.constraints import Shaping
 from decoding.controller import SpecController
 from decoding.drafters import Drafter
-from decoding.params import FinishReason, GenerationRequest, RequestStats, TokenLogprob
+from decoding.params import FinishReason, GenerationRequest, RequestStats, SamplingParams, TokenLogprob
 from decoding.runner import EagerRunner, SequenceRunner
 
 RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
+
+
+def ending_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """The token ids that end a request (not output): its stop ids, and the model's EOS unless
+    ignored (``Sequence.stops``; min_tokens holds them all back, ``admission.shaping``)."""
+    return frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
 
 
 @dataclass
@@ -74,10 +80,7 @@ class Sequence:
     def stops(self) -> frozenset[int]:
         """The token ids that end it (not output): its stop ids, and the model's EOS unless ignored
         (built once, not per row and step)."""
-        params = self.request.params
-        return frozenset(params.stop_token_ids) | frozenset(
-            () if params.ignore_eos else self.target.eos_token_ids
-        )
+        return ending_ids(self.request.params, self.target.eos_token_ids)
 
     def release(self) -> None:
         self.runner.release()
