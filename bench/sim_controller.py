@@ -15,14 +15,17 @@ same text); the host's time around a step, which no CUDA event sees; the GPU idl
 launches a phase's first kernel, which the event timing does see (the draft's first pass, a plain
 step's verification); and the draft's catch-up, outside the timed draft (its prompt at the first
 proposal, in passes of ``CATCH_UP_PASS`` tokens, and a backlog longer than
-``DraftModelDrafter.INLINE_GPU`` after plain steps). Means over
+``DraftModelDrafter.INLINE_GPU`` after plain steps), and the batch's prefill step. Means over
 ``seeds`` runs (one run at N = 1 is a single draw of 128 positions: its acceptance is 0.8 +- 0.03).
+
+Against bench.gpu_batch on the H200 (exact mode unpadded, 2026-12-04): plain within 1% of the 15:46
+run at every N; on bench.gpu_batch's own nine draws (``--draws 9``) fixed k = 4 / plain within 2% of
+the 17:45 run's draw by draw at N = 1 and 4, and auto's medians within 1.5%.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -33,43 +36,57 @@ from decoding.batch_controller import BatchCosts
 from decoding.controller import SpecController, expected_tokens
 from decoding.drafters import DraftModelDrafter
 from decoding.engine import Engine
+from decoding.graphs import batch_bucket
 from decoding.params import RequestStats, SamplingParams
 
-# H200, Qwen2.5-7B-shaped target / 0.5B-shaped draft, bf16, compiled, graphs: seconds per target
-# step by batch in exact mode (every row padded to 9), and per draft pass by batch. From the steps
-# bench.gpu_batch traced on 2026-12-04 (10:37 and 10:43 UTC, `steps_by_k`): a plain exact step's wall
-# time less HOST_S and LAUNCH_S below (4.47 / 4.58 / 15.0 ms at 1 / 4 / 64 rows; 16 and 32 from the
-# 10:08 run's inter-token p50), and a draft pass as the slope of a step's time over its k (k = 2..6
-# at N = 1 and 4, k = 4 against plain at N = 64). With them fixed k = 4 / off comes out within 1-2%
-# of the H200's on each of bench.gpu_batch's draws (`--draws`); the table before (2026-12-02, ~15%
-# dearer steps) gave speculation ~2.5% more than the device did.
-H200_TARGET_EXACT = {1: 3.97e-3, 4: 4.08e-3, 16: 5.03e-3, 32: 7.97e-3, 64: 14.5e-3}
-H200_DRAFT = {1: 1.15e-3, 4: 1.17e-3, 16: 1.22e-3, 64: 1.27e-3}
-# bench.gpu_batch at N = 1 (docs/benchmarks.md): plain exact decode 5.56 ms a token against 5.04 ms of
-# graph, so about 0.5 ms of host per step (read-back, commit, the next step's planning), of which
-# about 0.2 ms leaves the GPU idle inside a timed phase (the host launching its first kernel). The
+# H200, Qwen2.5-7B-shaped target / 0.5B-shaped draft, bf16, compiled, graphs, exact mode as it runs
+# since 58a17c3 (each row at its own width where the device showed it rounds as a one-token row:
+# every width of every bucket but width 1 at bucket 1, which runs at 2): device seconds of a graph
+# replay by (batch bucket, width), the start-up table `python -m bench.probe_graph_memory` printed
+# (2026-12-04 17:52 UTC; decoding.graphs.time_replays). The target's by width 1..9, the draft's one
+# token a row. A step's wall time adds HOST_S and LAUNCH_S below.
+H200_TARGET_EXACT = {
+    1: (4.287, 4.287, 4.258, 4.281, 4.293, 4.286, 4.296, 4.298, 4.368),
+    2: (4.220, 4.276, 4.287, 4.305, 4.325, 4.334, 4.349, 4.353, 4.369),
+    4: (4.245, 4.297, 4.335, 4.345, 4.374, 4.385, 4.399, 4.425, 4.461),
+    8: (4.277, 4.356, 4.388, 4.435, 4.442, 4.469, 4.515, 4.556, 4.582),
+    16: (4.326, 4.439, 4.474, 4.550, 4.627, 4.740, 4.715, 4.844, 4.954),
+    24: (4.437, 4.513, 4.614, 4.752, 4.817, 4.990, 5.180, 6.454, 6.007),
+    32: (4.475, 4.581, 4.765, 4.838, 5.469, 6.460, 6.430, 6.508, 7.509),
+    48: (4.472, 4.778, 4.984, 6.530, 6.636, 7.557, 7.840, 9.491, 10.242),
+    64: (4.716, 4.941, 6.633, 7.135, 9.083, 9.590, 11.438, 11.426, 15.619),
+}
+H200_DRAFT = {1: 0.938, 2: 0.935, 4: 0.934, 8: 0.936, 16: 0.959, 24: 0.966, 32: 0.966, 48: 0.994, 64: 1.027}
+# bench.gpu_batch's traced steps the same hour (`--quick --ns 1,2,4 --repeats 9`, 17:45 UTC): a plain
+# exact step 4.49 / 4.33 ms at N = 1 / 4 against replays of 4.29 / 4.25 (plain steps queue back to
+# back, hiding the host's work: about 0.15 ms of the GPU idle while the host launches a phase's first
+# kernel, which a timed phase sees), a k = 4 step 8.75 / 8.9-9.1 ms against 8.05 / 8.11 of replays: a
+# speculative step also waits for the step before's read-back, commit and planning, ~0.6 ms. The
 # draft's prompt and its backlogs replay prompt-chunk graphs since fa58035: bench.probe_auto_fast on
 # the H200 (2026-12-02 06:20 UTC) timed a k = 2 probe step at N = 4 / 16 (a backlog of 16-64 tokens
 # a row) 3.5 / 4.9 ms over a plain step, of which two draft passes are 2.8 / 2.9 ms, and the first
 # speculative step (the 128-token prompt) about 2 ms over a later one; at N = 16 (the nosync probe,
 # 10:05 UTC) the first speculative step took 24 ms against 9-10 ms for a later one: the prompts'
 # catch-up runs in passes of up to 512 tokens (drafters.catch_up_many), 2-3.5 ms each.
-HOST_S = 0.3e-3
-LAUNCH_S = 0.2e-3
+HOST_S = 0.6e-3  # a speculative step's, outside its timed phases
+LAUNCH_S = 0.15e-3
+# the batch's prefill step (every 128-token prompt in one, exact mode) in the same traced runs
+# (2026-12-04 15:46 UTC at N = 8..64): on every mode's clock, as on bench.gpu_batch's
+PREFILL_S = {1: 5.3e-3, 2: 7.0e-3, 4: 11.3e-3, 8: 34e-3, 16: 44e-3, 32: 86e-3, 64: 175e-3}
 DRAFT_PREFILL_S = 2.5e-3  # per catch-up pass of the draft's prompts
 CATCH_UP_PASS = 512  # tokens a catch-up pass holds
 CATCH_UP_S = 1.5e-3
 PROMPT = 128
 
 
-def _interp(table: dict[int, float], n: int) -> float:
-    keys = sorted(table)
-    if n <= keys[0]:
-        return table[keys[0]]
-    for lo, hi in itertools.pairwise(keys):
-        if n <= hi:
-            return table[lo] + (n - lo) / (hi - lo) * (table[hi] - table[lo])
-    return table[keys[-1]] * n / keys[-1]
+def target_seconds(rows: int, width: int) -> float:
+    """Seconds of a target replay of ``rows`` rows (in their graph bucket) at ``width`` tokens."""
+    return 1e-3 * H200_TARGET_EXACT[batch_bucket(rows)][width - 1]
+
+
+def draft_seconds(rows: int) -> float:
+    """Seconds of a draft pass of ``rows`` rows (in their graph bucket)."""
+    return 1e-3 * H200_DRAFT[batch_bucket(rows)]
 
 
 @dataclass
@@ -86,16 +103,11 @@ class _Target:
 class _Model:
     """A runner's model as ``Engine.costs_of`` reads it: its start-up step table (seconds by
     (batch, width); (0, W): a W-token prompt chunk alone), as ``StaticModel.time_steps`` gives it,
-    and whether every row runs at one width (exact mode padded to ``max_graph_tokens``, as the
-    H200 tables below were measured: ``exact_padding``)."""
+    and exact mode's padding (none: the H200 showed every verification width, ``exact_padding``)."""
 
     step_costs: dict[tuple[int, int], float]
     exact: bool = False
-    max_graph_tokens: int = 9
-
-    @property
-    def exact_padding(self) -> int:
-        return self.max_graph_tokens if self.exact else 0
+    exact_padding: int = 0
 
 
 @dataclass
@@ -108,11 +120,14 @@ class _Runner:
         return self.batch_model.exact
 
 
-# The start-up tables the engine seeds its cost model from, for the table above: a target step of B
-# rows costs the same at every width (exact mode pads each row to 9), a draft pass its row's cost,
-# and a draft's 512-token prompt chunk a catch-up pass.
-TARGET_TABLE = _Model({(B, W): t for B, t in H200_TARGET_EXACT.items() for W in range(1, 10)}, exact=True)
-DRAFT_TABLE = _Model({(B, 1): t for B, t in H200_DRAFT.items()} | {(0, CATCH_UP_PASS): DRAFT_PREFILL_S})
+# The start-up tables the engine seeds its cost model from, the tables above, and a draft's
+# 512-token prompt chunk a catch-up pass.
+TARGET_TABLE = _Model(
+    {(B, W + 1): 1e-3 * t for B, ts in H200_TARGET_EXACT.items() for W, t in enumerate(ts)}, exact=True
+)
+DRAFT_TABLE = _Model(
+    {(B, 1): 1e-3 * t for B, t in H200_DRAFT.items()} | {(0, CATCH_UP_PASS): DRAFT_PREFILL_S}
+)
 
 
 class _Draft(DraftModelDrafter):
@@ -198,7 +213,7 @@ def simulate(
         if s.drafter is not None:
             engine._population(s).seed(s.controller)  # type: ignore[arg-type]
     every = list(seqs)
-    clock, tokens = 0.0, 0
+    clock, tokens = PREFILL_S.get(N, 0.0), 0
     while seqs:
         ks = engine.ks_for(seqs)  # type: ignore[arg-type]
         K = max(ks)
@@ -214,9 +229,11 @@ def simulate(
         if behind:
             fresh = sum(s.draft_seen == 0 for s in behind)
             t_catch = DRAFT_PREFILL_S * -(-fresh * PROMPT // CATCH_UP_PASS) if fresh else CATCH_UP_S
-        t_draft = sum(_interp(H200_DRAFT, sum(k > j for k in ks)) for j in range(K))
+        # (the target's step keeps the batch's starting bucket as rows finish, as bench.gpu_batch
+        # runs exact mode: StaticModel.exact_min_rows; the draft's passes hold the rows drafting)
+        t_draft = sum(draft_seconds(sum(k > j for k in ks)) for j in range(K))
         t_draft += LAUNCH_S if K else 0.0
-        t_target = _interp(H200_TARGET_EXACT, B) + (0.0 if K else LAUNCH_S)
+        t_target = target_seconds(N, K + 1) + (0.0 if K else LAUNCH_S)
         ns = []
         for s, k in zip(seqs, ks, strict=True):
             n = 0
@@ -228,7 +245,7 @@ def simulate(
             expected = sum(expected_tokens(s.controller.acceptance, k) for s, k in zip(seqs, ks, strict=True))
             costs.observe_goodput(B, K, True, expected, sum(n + 1 for n in ns), HOST_S + t_draft + t_target)
         costs.observe(B, B * (K + 1), K, t_draft, t_target)
-        step = HOST_S + t_catch + t_draft + t_target
+        step = (HOST_S if K else 0.0) + t_catch + t_draft + t_target
         clock += step
         for s, k, n in zip(seqs, ks, ns, strict=True):
             s.controller.observe(k, n, t_draft * k / K if k else 0.0, t_target)
