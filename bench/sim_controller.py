@@ -241,12 +241,15 @@ def simulate(
                 n += 1
             ns.append(n)
         costs = engine.costs_of(seqs[0])  # type: ignore[arg-type]
-        if K:  # the engine's wall time of a speculative step: its host work, less the catch-up
-            expected = sum(expected_tokens(s.controller.acceptance, k) for s, k in zip(seqs, ks, strict=True))
-            costs.observe_goodput(B, K, True, expected, sum(n + 1 for n in ns), HOST_S + t_draft + t_target)
-        costs.observe(B, B * (K + 1), K, t_draft, t_target)
         step = (HOST_S if K else 0.0) + t_catch + t_draft + t_target
         clock += step
+        if K:  # the engine's wall time of a speculative step: its host work, less the catch-up ...
+            wall = HOST_S + t_draft + t_target
+            expected = sum(expected_tokens(s.controller.acceptance, k) for s, k in zip(seqs, ks, strict=True))
+            costs.observe_goodput(B, K, True, expected, sum(n + 1 for n in ns), wall)
+            # ... split between draft and target as their device times are (Engine.commit_step)
+            t_draft, t_target = wall * t_draft / (t_draft + t_target), wall * t_target / (t_draft + t_target)
+        costs.observe(B, B * (K + 1), K, t_draft, t_target)
         for s, k, n in zip(seqs, ks, ns, strict=True):
             s.controller.observe(k, n, t_draft * k / K if k else 0.0, t_target)
             if s.drafter is not None:
