@@ -121,12 +121,17 @@ class ChatFormat(_Formatter):
         choices: int,
         prediction: bool = False,
         calls_only: bool = False,
+        calls_tools: bool = False,
     ):
         super().__init__(model, include_usage, choices)
         self.prediction = prediction
         # tool_choice required or named: the answer is tool calls alone, whose first delta OpenAI
         # sends with content null (the SDK's stream helper then ends with content None, not "")
         self.calls_only = calls_only
+        # tool_choice auto: whether a choice is calls alone is known only from its first delta, so
+        # its opening waits for it (content null before a call, "" before text, as OpenAI sends
+        # them); the choices still to open, None where every opening goes out first
+        self.unopened: set[int] | None = set(range(choices)) if calls_tools and not calls_only else None
         self.calls: list[list[dict[str, Any]]] = [[] for _ in range(choices)]  # tool_calls per choice
 
     def fold(self, d: Delta) -> None:
@@ -168,22 +173,24 @@ class ChatFormat(_Formatter):
                 out.append({"index": piece.index, "function": {"arguments": piece.arguments}})
         return [self._chunk([ChunkChoice(index=d.index, delta={"tool_calls": [c]})]) for c in out]
 
+    def _opening(self, index: int, calls: bool) -> str:
+        return self._chunk(
+            [ChunkChoice(index=index, delta={"role": "assistant", "content": None if calls else ""})]
+        )
+
     def opening(self, gen: Generation) -> list[str]:
-        return [
-            self._chunk(
-                [
-                    ChunkChoice(
-                        index=i, delta={"role": "assistant", "content": None if self.calls_only else ""}
-                    )
-                ]
-            )
-            for i in range(len(self.texts))
-        ]
+        if self.unopened is not None:
+            return []  # each choice's, with its first delta (chunks)
+        return [self._opening(i, self.calls_only) for i in range(len(self.texts))]
 
     def chunks(self, d: Delta) -> list[str]:
         """The SSE data for one delta (folding it into the totals as well)."""
         self.fold(d)
         out = []
+        shows = d.text or d.tool_calls or d.logprobs or d.finish_reason is not None
+        if self.unopened is not None and d.index in self.unopened and shows:  # (not text held back)
+            self.unopened.discard(d.index)
+            out.append(self._opening(d.index, bool(d.tool_calls) and not d.text))
         if d.text or d.logprobs:
             lp = chat_logprobs(d.logprobs) if d.logprobs is not None else None
             out.append(self._chunk([ChunkChoice(index=d.index, delta={"content": d.text}, logprobs=lp)]))

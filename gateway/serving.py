@@ -306,6 +306,7 @@ async def _serve(
                 _choices(job),
                 prediction=job.prediction is not None,
                 calls_only=job.calls_only,
+                calls_tools=job.calls_tools,
             )
         else:
             fmt = CompletionFormat(served, req.include_usage, _choices(job), job.n, job.echo)

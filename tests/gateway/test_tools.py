@@ -345,14 +345,27 @@ async def test_a_cached_answer_replays_its_tool_calls_under_new_ids() -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
 @pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}, "auto"]
+    ("choice", "text", "content", "finish"),
+    [
+        ("required", CALL, None, "tool_calls"),
+        ({"type": "function", "function": {"name": "get_weather"}}, CALL, None, "tool_calls"),
+        ("auto", CALL, None, "tool_calls"),
+        ("auto", "It is sunny in Paris.", "", "stop"),
+        ("auto", f"Let me look.{CALL}", "", "tool_calls"),
+    ],
 )
-async def test_a_forced_call_streams_its_first_delta_with_content_null(choice: Any) -> None:
-    """tool_choice required or named: the answer is calls alone, and its first delta carries content
-    null, as OpenAI's does (the SDK's stream helper then ends with content None); under auto nothing
-    is known yet, and it carries "" as for text."""
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+async def test_a_stream_of_calls_alone_opens_with_content_null(
+    choice: Any, text: str, content: str | None, finish: str
+) -> None:
+    """An answer of tool calls alone streams its first delta (role assistant) with content null, as
+    OpenAI's does (the SDK's stream helper then ends with content None), one with text with content
+    "". Forced calls (tool_choice required or named) are known to be calls alone from the start;
+    under auto the opening waits for the choice's first delta, and a call with text before it opens
+    as text."""
     ids = token_ids(f"{text}<END>")
     engine = ScriptedEngine([ids[i : i + 5] for i in range(0, len(ids), 5)])
     app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
@@ -362,5 +375,6 @@ async def test_a_forced_call_streams_its_first_delta_with_content_null(choice: A
         raw = (await c.post("/v1/chat/completions", json=body)).text
     chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
     first = chunks[0]["choices"][0]["delta"]
-    assert first["role"] == "assistant" and first["content"] == (None if choice != "auto" else "")
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert first == {"role": "assistant", "content": content}
+    assert sum("role" in ch["choices"][0]["delta"] for ch in chunks if ch["choices"]) == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == finish
