@@ -14,9 +14,13 @@ from decoding.params import JSON_LAYOUT, GrammarSpec
 from gateway.tools import CLOSE, OPEN
 
 
-def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(tool: dict[str, Any], strict_only: bool = False) -> dict[str, Any]:
+    """A call of ``tool`` as JSON; ``strict_only``: its arguments any object unless the function
+    is ``strict``."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+    if strict_only and not fn.get("strict"):
+        params = {"type": "object"}
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, "arguments": params},
@@ -25,18 +29,31 @@ def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tool_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
+def tool_grammar(tools: list[dict[str, Any]], parallel: bool, text: bool = False) -> str:
     """Lark for one call (or several, one per line) in Qwen2.5's format, each call's JSON checked
     against its function's parameters. Several calls may end on the newline after the last one:
     Qwen2.5 writes one after ``</tool_call>`` before it ends its turn, and a newline that commits
-    to another call drove a small model through calls until max_tokens cut one in half."""
+    to another call drove a small model through calls until max_tokens cut one in half.
+
+    ``text``: tool_choice auto with ``strict`` functions. The answer is free text, or calls after
+    text or none, and only a strict function's arguments are checked (as OpenAI's Structured
+    Outputs for function calling; a function without it takes any object, so its schema need not
+    compile). Text never holds the tag: where the tokenizer has ``<tool_call>`` as a token of its own
+    (Qwen2.5's), text may come before a call and ends at that token; where it spells the tag (the
+    tiny test models' byte tokenizer), a call must come first, as the text lexeme does not give way
+    to the tag mid-text."""
     schema: dict[str, Any] = (
-        {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 else _call_schema(tools[0])
+        {"anyOf": [_call_schema(t, text) for t in tools]} if len(tools) > 1 else _call_schema(tools[0], text)
     )
     schema["x-guidance"] = JSON_LAYOUT
     more = ' ("\\n" call)* "\\n"?' if parallel else ""
+    start = (
+        f"start: TEXT | TEXT? call{more}\nTEXT: /(?s:.+)/ & ~/(?s:.*{OPEN}.*)/\n"
+        if text
+        else f"start: call{more}\n"
+    )
     # the tags as literals of their own: the grammar compiler makes each one token where it is one
-    return f'start: call{more}\ncall: "{OPEN}" "\\n" %json{json.dumps(schema)} "\\n" "{CLOSE}"\n'
+    return f'{start}call: "{OPEN}" "\\n" %json{json.dumps(schema)} "\\n" "{CLOSE}"\n'
 
 
 def grammar_for(
@@ -54,6 +71,8 @@ def grammar_for(
         return GrammarSpec("lark", tool_grammar(tools, parallel), param="tools")
     fmt = (response_format or {}).get("type", "text")
     if fmt == "text":
+        if tools and choice == "auto" and any(t["function"].get("strict") for t in tools):
+            return GrammarSpec("lark", tool_grammar(tools, parallel, text=True), param="tools")
         return None
     if fmt == "json_object":
         schema: dict[str, Any] = {"type": "object"}

@@ -154,6 +154,56 @@ def test_several_calls_may_end_after_the_newline_that_follows_a_call(choice: str
         assert (m.try_consume_tokens(ids) == len(ids) and m.is_accepting()) == ends, text
 
 
+STRICT = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}  # fmt: skip
+LOOSE = {
+    "type": "function",
+    "function": {"name": "note", "parameters": {"type": "object", "required": ["x"]}},
+}
+
+
+def _accepts(spec: Any, tok: Any, text: str) -> bool:
+    m = matcher(spec, ll_tokenizer(tok, len(tok), (tok.eos_token_id,)), tok)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return bool(m.try_consume_tokens(ids) == len(ids) and m.is_accepting())
+
+
+def test_strict_functions_are_checked_under_tool_choice_auto() -> None:
+    """A strict function's arguments follow its schema under tool_choice auto as well (OpenAI's
+    Structured Outputs for function calling); the answer may still be text, and a function without
+    ``strict`` takes any object. With no strict function, auto stays free text (no grammar)."""
+    assert grammar_for(None, [LOOSE], "auto", True) is None
+    assert grammar_for(None, [LOOSE], None, True) is None
+    spec = grammar_for(None, [STRICT, LOOSE], None, True)  # tools and no choice: auto
+    assert spec is not None and spec.param == "tools"
+    tok = byte_tokenizer()
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    assert _accepts(spec, tok, "It is 3, no tool needed.")
+    assert _accepts(spec, tok, call.format("add", '{"a": 3}'))
+    assert _accepts(spec, tok, call.format("add", '{"a": 3}') + "\n" + call.format("note", '{"y": [1]}'))
+    assert not _accepts(spec, tok, call.format("add", '{"a": "3"}'))
+    assert not _accepts(spec, tok, call.format("add", '{"a": 3, "b": 4}'))
+    assert not _accepts(spec, tok, call.format("sub", '{"a": 3}'))
+
+
+def test_strict_calls_may_follow_text_with_qwens_tokenizer() -> None:
+    """With Qwen2.5's tokenizer, where ``<tool_call>`` is a token of its own, text may come before a
+    strict call, whose arguments are still checked (the byte tokenizer of the tiny models spells the
+    tag, which free text may hold)."""
+    from transformers import AutoTokenizer
+
+    from decoding import store
+
+    if not store.is_cached("qwen2.5-coder-0.5b"):
+        pytest.skip("qwen2.5-coder-0.5b not pulled (run `specgate models pull`)")
+    tok = AutoTokenizer.from_pretrained(store.model_dir("qwen2.5-coder-0.5b"))
+    spec = grammar_for(None, [STRICT], "auto", False)
+    call = '<tool_call>\n{{"name": "add", "arguments": {}}}\n</tool_call>'
+    assert _accepts(spec, tok, "Let me add them. " + call.format('{"a": 3}'))
+    assert not _accepts(spec, tok, "Let me add them. " + call.format('{"a": 3.5}'))
+    assert _accepts(spec, tok, "Three.")
+
+
 @pytest.mark.parametrize("repeat_id", [False, True])
 def test_upstream_tool_call_deltas_pass_through(repeat_id: bool) -> None:
     first = _tool_calls({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
