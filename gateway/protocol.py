@@ -267,7 +267,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: LogprobCount | None = None
     suffix: Any = None
-    best_of: Any = None
+    # best_of = n is served (it selects nothing); best_of > n, a selection, is refused (serving.to_job)
+    best_of: Count | None = None
     # chat-only, refused by name here (CHAT_ONLY)
     tools: Any = None
     tool_choice: Any = None

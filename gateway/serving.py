@@ -57,8 +57,18 @@ def to_job(
     limits = settings.limits
     refused = UNSUPPORTED if isinstance(req, ChatCompletionRequest) else UNSUPPORTED + CHAT_ONLY
     best_of = getattr(req, "best_of", None)
+    if best_of is not None:
+        # as OpenAI and vLLM refuse them, before anything this server lacks: fewer candidates than
+        # choices, and a stream of candidates that are only ranked once every one has finished
+        if best_of < req.n:
+            raise bad_request(
+                f"best_of must be greater than or equal to n, got n={req.n} and best_of={best_of}.",
+                param="best_of",
+            )
+        if req.stream and best_of > 1:
+            raise bad_request("best_of must be 1 when streaming (stream: true).", param="best_of")
     # best_of = n selects nothing (the n generated are the n returned): clients send best_of: 1
-    selects = best_of is not None and (isinstance(best_of, bool) or best_of != req.n)
+    selects = best_of is not None and best_of != req.n
     for name in refused:
         value = getattr(req, name, None)
         # an empty suffix is none (clients of fill-in-the-middle send one)

@@ -1,0 +1,48 @@
+"""Contract details of the legacy completions and chat endpoints, in process, where OpenAI (or vLLM,
+for its extras) answers in a way a client depends on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from gateway.app import create_app
+from gateway.settings import Settings, load_settings
+from tests.gateway.fakes import ScriptedEngine, token_ids
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def settings() -> Settings:
+    return load_settings(overrides={"cache": {"enabled": False}}, env={})
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def test_best_of_below_n_or_streamed_is_refused_as_openai_does() -> None:
+    """best_of >= n, and a stream only with best_of 1 (candidates are ranked once all have finished):
+    best_of = n streamed was served as a stream, and best_of < n got "not supported" as if it were a
+    selection. best_of = n unstreamed is still served."""
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    ok = {"model": "fake", "prompt": "a", "max_tokens": 2}
+    async with client(app) as c:
+        for body, words in (
+            ({"best_of": 2, "n": 2, "stream": True}, "streaming"),
+            ({"best_of": 3, "n": 1, "stream": True}, "streaming"),
+            ({"best_of": 1, "n": 2}, "greater than or equal to n"),
+            ({"best_of": 0}, "greater than or equal to 1"),
+        ):
+            r = await c.post("/v1/completions", json={**ok, **body})
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "best_of" and words in error["message"], (body, error)
+        r = await c.post("/v1/completions", json={**ok, "best_of": 1, "stream": True})
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        r = await c.post("/v1/completions", json={**ok, "best_of": 2, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        assert json.loads(r.text)["choices"][1]["text"] == "ok"
