@@ -18,8 +18,16 @@ from typing import Any, Literal, Protocol
 
 from decoding.params import SpecParams
 
-# vLLM's sampling extras a Job carries (a remote upstream gets those a client set: Job.vllm_extras)
-VLLM_EXTRAS = ("min_tokens", "ignore_eos", "min_p", "repetition_penalty")
+# vLLM's sampling and chat template extras a Job carries (a remote upstream gets those a client set:
+# Job.vllm_extras)
+VLLM_EXTRAS = (
+    "min_tokens",
+    "ignore_eos",
+    "min_p",
+    "repetition_penalty",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class Job:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    # chat: the template opens a new assistant turn, or continues the last message in place (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
     echo: bool = False  # completion: the prompt text precedes the completion
     spec: SpecParams = field(default_factory=SpecParams)

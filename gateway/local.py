@@ -52,7 +52,8 @@ class LocalBackend:
             enc = tok.apply_chat_template(
                 template_messages(job.messages or []),
                 tools=job.tools if job.calls_tools else None,
-                add_generation_prompt=True,
+                add_generation_prompt=job.add_generation_prompt,
+                continue_final_message=job.continue_final_message,
                 tokenize=True,
             )
             ids = list(enc["input_ids"])

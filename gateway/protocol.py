@@ -250,6 +250,12 @@ class ChatCompletionRequest(_Sampling):
     prediction: Prediction | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
+    # vLLM's chat template extras: continue_final_message continues the last message in place (an
+    # assistant prefill: "Sure, here is") instead of opening a new assistant turn after it; the
+    # generation prompt defaults to on, and to off with continue_final_message (vLLM's users send
+    # both; the two together are refused, as vLLM refuses them)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     # as OpenAI documents it: "logprobs must be set to true if this parameter is used" (else a 400)
     top_logprobs: TopLogprobs | None = Field(
         default=None, description="Needs logprobs: true; without it the request is refused."

@@ -139,7 +139,22 @@ def to_job(
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.max_completion_tokens is not None:
             common["max_tokens_field"] = "max_completion_tokens"
-        return Job(kind="chat", messages=_messages(req), logprobs=logprobs, **_structured(req), **common)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request(
+                "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
+                param="continue_final_message",
+            )
+        return Job(
+            kind="chat",
+            messages=_messages(req),
+            logprobs=logprobs,
+            add_generation_prompt=not req.continue_final_message
+            if req.add_generation_prompt is None
+            else req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **_structured(req),
+            **common,
+        )
     return Job(kind="completion", prompts=prompts, logprobs=req.logprobs, echo=req.echo, **common)
 
 

@@ -51,6 +51,8 @@ _NEUTRAL: dict[str, Any] = {
     "stop": [],
     "logit_bias": {},
     "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
 }
 
 

@@ -46,3 +46,46 @@ async def test_best_of_below_n_or_streamed_is_refused_as_openai_does() -> None:
         r = await c.post("/v1/completions", json={**ok, "best_of": 2, "n": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
         assert json.loads(r.text)["choices"][1]["text"] == "ok"
+
+
+async def test_continue_final_message_continues_an_assistant_prefill_as_vllm_does() -> None:
+    """vLLM's chat template extras: with continue_final_message the prompt ends inside the last
+    message ("Sure, here "), without a new assistant turn after it; by default a last assistant
+    message is a finished turn and a new one opens (OpenAI's answer). Both flags true is vLLM's 400.
+    The extras were dropped as unknown fields, so a prefill was answered as a new turn. A remote
+    upstream gets them where set; they split the response cache's key only where set."""
+    from gateway.cache.query import output_params
+    from gateway.protocol import ChatCompletionRequest
+    from gateway.serving import to_job
+
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    prefill = [*MSGS, {"role": "assistant", "content": "Sure, here "}]
+    tok = engine.tokenizer("fake")
+
+    def prompt() -> str:
+        return str(tok.decode(engine.requests[-1].prompt_token_ids))
+
+    async with client(app) as c:
+        body = {"model": "fake", "messages": prefill, "max_tokens": 2}
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        assert prompt().endswith("Sure, here <|im_end|>\n<|im_start|>assistant\n")
+        for flags in (
+            {"continue_final_message": True},
+            {"continue_final_message": True, "add_generation_prompt": False},
+        ):
+            r = await c.post("/v1/chat/completions", json={**body, **flags})
+            assert r.status_code == 200, r.text
+            assert prompt().endswith("<|im_start|>assistant\nSure, here "), prompt()
+            assert r.json()["choices"][0]["message"]["content"] == "ok"  # the continuation alone, as vLLM's
+        r = await c.post("/v1/chat/completions", json={**body, "add_generation_prompt": False})
+        assert r.status_code == 200 and prompt().endswith("Sure, here <|im_end|>\n")
+        both = {**body, "continue_final_message": True, "add_generation_prompt": True}
+        r = await c.post("/v1/chat/completions", json=both)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    job = to_job(
+        ChatCompletionRequest.model_validate({**body, "continue_final_message": True}), "r", "t", settings()
+    )
+    assert job.vllm_extras() == {"add_generation_prompt": False, "continue_final_message": True}
+    assert output_params({"add_generation_prompt": True, "continue_final_message": False}) == {}
+    assert output_params({"continue_final_message": True}) != {}
