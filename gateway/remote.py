@@ -21,7 +21,7 @@ from gateway.backends import (
     new_call_id,
 )
 from gateway.errors import APIError
-from router.upstream import UpstreamClient, UpstreamError, UpstreamStream
+from router.upstream import UpstreamBadResponse, UpstreamClient, UpstreamError, UpstreamStream
 
 
 def api_error(exc: UpstreamError) -> APIError:
@@ -152,6 +152,7 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
     # prompt's chunk none), so the count made from them is corrected either way.
     held: list[Delta] = []
     counted = 0
+    choices = job.n * (len(job.prompts) if job.prompts is not None else 1)
     try:
         async for event in stream:
             if "error" in event and "choices" not in event:
@@ -166,6 +167,10 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                     held[-1].completion_tokens += reported - counted
                     counted = reported
             for choice in event.get("choices") or []:
+                if choice.get("index", 0) >= choices:  # the formatter keeps one slot per choice asked for
+                    raise UpstreamBadResponse(
+                        stream.upstream, f"a chunk for choice {choice['index']} of {choices} asked for"
+                    )
                 text = (
                     choice.get("text")
                     if job.kind == "completion"

@@ -12,7 +12,7 @@ Exceptions (every httpx exception is translated in `_translated`, nowhere else):
     │   ├── UpstreamConnectError  refused, reset, DNS, TLS                        retried
     │   ├── UpstreamTimeout       no answer in time (it may still be working)     not retried
     │   ├── UpstreamHTTPError     429 or 5xx                                      retried
-    │   ├── UpstreamBadResponse   not OpenAI's SSE/JSON                           not retried
+    │   ├── UpstreamBadResponse   not OpenAI's SSE, JSON or chunks                not retried
     │   └── CircuitOpen           the breaker refused the call                    not retried
     ├── UpstreamRejected          any other 4xx: the request's fault, passed on verbatim, never retried
     └── UpstreamStreamBroken      the stream died after its first event
@@ -181,6 +181,66 @@ def normalise_error(payload: Any, status: int) -> dict[str, Any]:
     )
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _wrong_choice(c: Any) -> str | None:
+    if not isinstance(c, dict):
+        return "a choice is not an object"
+    if not _is_count(c.get("index", 0)):
+        return "a choice's index is not a non-negative integer"
+    delta = c.get("delta")
+    if delta is not None and not isinstance(delta, dict):
+        return "a choice's delta is not an object"
+    texts = {
+        "text": c.get("text"),
+        "content": (delta or {}).get("content"),
+        "finish_reason": c.get("finish_reason"),
+    }
+    for key, value in texts.items():
+        if value is not None and not isinstance(value, str):
+            return f"a choice's {key} is not a string"
+    if c.get("logprobs") is not None and not isinstance(c["logprobs"], dict):
+        return "a choice's logprobs is not an object"
+    calls = (delta or {}).get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        return "tool_calls is not a list"
+    for call in calls or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not _is_count(call.get("index", 0)):
+            return "a tool call is not an object with a non-negative integer index"
+        strings = isinstance(fn, dict) and all(
+            isinstance(fn.get(k) or "", str) for k in ("name", "arguments")
+        )
+        if fn is not None and not strings:
+            return "a tool call's function is not an object of strings"
+    return None
+
+
+def malformed(event: Mapping[str, Any]) -> str | None:
+    """What makes a chunk unreadable as OpenAI's (the fields the gateway reads, of the wrong type),
+    or None. Checked here, once, so that an upstream's garbage is its fault (502) wherever it is
+    read: a choice that was a string, an index "zero" or a usage count "x" were a 500 with a
+    traceback or a 400 blaming the client. An in-band error object is not a chunk: not checked."""
+    if "error" in event and "choices" not in event:
+        return None
+    choices = event.get("choices")
+    if choices is not None and not isinstance(choices, list):
+        return "choices is not a list"
+    for c in choices or ():
+        wrong = _wrong_choice(c)
+        if wrong is not None:
+            return wrong
+    usage = event.get("usage")
+    if usage is not None and not (
+        isinstance(usage, dict)
+        and all(usage.get(k) is None or _is_count(usage[k]) for k in ("prompt_tokens", "completion_tokens"))
+    ):
+        return "usage is not an object of token counts"
+    return None
+
+
 def _retry_after(resp: httpx.Response) -> float | None:
     try:
         return float(resp.headers["retry-after"])
@@ -224,6 +284,7 @@ class UpstreamStream:
 
     def __init__(self, client: UpstreamClient, resp: httpx.Response, rewrite: Rewrite, started: float):
         self._client, self._resp, self._rewrite = client, resp, rewrite
+        self.upstream = client.name  # who to blame in errors about what it sent
         self._lines = resp.aiter_lines()  # decodes UTF-8 incrementally: split characters are safe
         self._first: dict[str, Any] | None = None
         self._done = False
@@ -232,7 +293,8 @@ class UpstreamStream:
         self.status_code = resp.status_code
 
     async def _next_event(self) -> dict[str, Any] | None:
-        """The next data event, or None at `[DONE]`. Raises httpx errors untranslated."""
+        """The next data event, or None at `[DONE]`. Raises httpx errors untranslated, and
+        `UpstreamBadResponse` for a chunk the gateway cannot read."""
         data: list[str] = []
         async for line in self._lines:
             if line.startswith(":"):
@@ -243,17 +305,22 @@ class UpstreamStream:
                 payload = "\n".join(data)
                 if payload.strip() == "[DONE]":
                     return None
-                event = json.loads(payload)
-                if not isinstance(event, dict):
-                    raise json.JSONDecodeError("event is not a JSON object", payload, 0)
-                return self._rewrite.apply(event)
+                return self._checked(json.loads(payload), payload)
             field, _, value = line.partition(":")
             if field == "data":
                 data.append(value[1:] if value.startswith(" ") else value)
         if data:  # a last event without its blank line
             payload = "\n".join(data)
-            return None if payload.strip() == "[DONE]" else self._rewrite.apply(json.loads(payload))
+            return None if payload.strip() == "[DONE]" else self._checked(json.loads(payload), payload)
         raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+
+    def _checked(self, event: Any, payload: str) -> dict[str, Any]:
+        if not isinstance(event, dict):
+            raise json.JSONDecodeError("event is not a JSON object", payload, 0)
+        wrong = malformed(event)
+        if wrong is not None:
+            raise UpstreamBadResponse(self._client.name, f"unreadable chunk: {wrong}")
+        return self._rewrite.apply(event)
 
     async def _peek(self) -> None:
         with _translated(self._client.name):
@@ -433,6 +500,9 @@ class UpstreamClient:
                 data = resp.json()
             if not isinstance(data, dict):
                 raise UpstreamBadResponse(self.name, "response is not a JSON object")
+            wrong = malformed(data)
+            if wrong is not None:
+                raise UpstreamBadResponse(self.name, f"unreadable response: {wrong}")
             return (rewrite or Rewrite()).apply(data)
 
         result: dict[str, Any] = await self._attempts(once)

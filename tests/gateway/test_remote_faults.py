@@ -1,0 +1,158 @@
+"""The remote path against a misbehaving upstream: a raw asyncio HTTP server on loopback that sends
+exactly the bytes each test scripts, and the gateway served by uvicorn in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.app import create_app
+from gateway.settings import load_settings
+from tests.gateway.fakes import ScriptedEngine, token_ids
+from tests.servers import free_port
+
+Action = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+CHAT = {"model": "up-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+class RawUpstream:
+    """Answers each request with the next scripted action (default: a short good stream) and
+    records whether the gateway closed the connection while an action waited on it."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.actions: list[Action] = []
+        self.requests = 0
+        self.closed_by_gateway = asyncio.Event()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            head = await r.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            await r.readexactly(length)
+            self.requests += 1
+            await (self.actions.pop(0) if self.actions else stream(good_chunks()))(r, w)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **fields: Any) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+    return {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "up-model",
+            "choices": [choice], **fields}  # fmt: skip
+
+
+def good_chunks() -> list[dict[str, Any]]:
+    return [chunk({"role": "assistant", "content": ""}), chunk({"content": "Hello"}), chunk({}, "stop")]
+
+
+def stream(events: list[dict[str, Any]], done: bool = True) -> Action:
+    """A 200 text/event-stream of ``events`` (chunked), then ``[DONE]``."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        body = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
+        for piece in [*body, *([b"data: [DONE]\n\n"] if done else [])]:
+            w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    return act
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RawUpstream]:
+    up = RawUpstream()
+    await up.start()
+    yield up
+    await up.stop()
+
+
+async def serve_gateway(
+    up: RawUpstream, **upstream_settings: Any
+) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
+    """The gateway with a local model `fake` and the upstream `u` serving `up-model`; `auto` goes
+    to the upstream first and falls back to the local tier."""
+    u = {"name": "u", "base_url": f"http://127.0.0.1:{up.port}/v1", "model": "up-model", "retries": 0,
+         "timeout_s": 2.0, "breaker_failures": 100} | upstream_settings  # fmt: skip
+    settings = load_settings(env={}, overrides={
+        "cache": {"enabled": False}, "upstreams": [u], "models": [{"name": "fake", "source": "x"}],
+        "router": {"tiers": [{"name": "local", "model": "fake"},
+                             {"name": "remote", "upstream": "u", "threshold": 0.0, "fallback": ["local"]}]},
+    })  # fmt: skip
+    app = create_app(settings, engine=ScriptedEngine([token_ids("local answer")]))  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "the gateway did not start"
+        await asyncio.sleep(0.01)
+    return f"http://127.0.0.1:{port}/v1", server, task
+
+
+@pytest.fixture
+async def gateway(upstream: RawUpstream) -> AsyncIterator[str]:
+    base, server, task = await serve_gateway(upstream)
+    yield base
+    server.should_exit = True
+    await task
+
+
+def data_events(text: str) -> list[str]:
+    return [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
+
+
+UNREADABLE = {
+    "choice is a string": {"choices": ["Hello"]},
+    "index is a string": chunk({"content": "a"})
+    | {"choices": [{"index": "zero", "delta": {"content": "a"}}]},
+    "index past n": chunk({"content": "a"}) | {"choices": [{"index": 3, "delta": {"content": "a"}}]},
+    "usage count is a string": {"choices": [], "usage": {"prompt_tokens": "x", "completion_tokens": 2}},
+    "content is an object": chunk({"content": {"text": "a"}}),
+}
+
+
+@pytest.mark.parametrize("bad", UNREADABLE.values(), ids=UNREADABLE.keys())
+async def test_unreadable_upstream_chunks_are_the_upstreams_fault(
+    upstream: RawUpstream, gateway: str, bad: dict[str, Any]
+) -> None:
+    """A chunk whose fields have the wrong types is a 502 `upstream_bad_response` (an in-band error
+    event once the stream has started): they were a 500 with a traceback (a choice that was a
+    string, an index past n) or a 400 `invalid_request_error` blaming the client (int("x"))."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        upstream.actions = [stream([bad]), stream([*good_chunks()[:2], bad])]
+        first = await c.post(gateway + "/chat/completions", json=CHAT)
+        streamed = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": True})
+    assert first.status_code == 502, first.text
+    if bad is UNREADABLE["index past n"]:  # only the formatter knows n: found after the headers
+        assert first.json()["error"]["code"] == "upstream_bad_response"
+    else:
+        assert first.json()["error"] == {"message": first.json()["error"]["message"], "type": "server_error",
+                                         "param": None, "code": "upstream_bad_response"}  # fmt: skip
+    events = data_events(streamed.text)
+    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]  # a stream's break is reported as one, naming its cause
+    assert err["type"] == "server_error" and err["code"] in (
+        "upstream_stream_broken",
+        "upstream_bad_response",
+    )
