@@ -2,8 +2,8 @@
 
 The upstream client (router.upstream.UpstreamClient) does the retries, the breaker and the wait for the
 first event; it reports its own calls and gets a CLIENT span each. Upstream exceptions become
-`APIError`s in `api_error` and nowhere else; an upstream's in-band `{"error": ...}` event ends our
-stream with that same error.
+`APIError`s in `api_error` and nowhere else; an upstream's in-band `{"error": ...}` event after its
+first ends our stream with that same error (a 502 for a request not streamed).
 """
 
 from __future__ import annotations
@@ -156,8 +156,9 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
     try:
         async for event in stream:
             if "error" in event and "choices" not in event:
+                # the upstream failed, not the gateway: a 502 (it was a 500) where the status still shows
                 err = event["error"]
-                raise APIError(500, str(err.get("message")), str(err.get("type") or "server_error"),
+                raise APIError(502, str(err.get("message")), str(err.get("type") or "server_error"),
                                err.get("param"), err.get("code"))  # fmt: skip
             usage = event.get("usage")
             if isinstance(usage, dict):

@@ -13,12 +13,15 @@ Exceptions (every httpx exception is translated in `_translated`, nowhere else):
     │   ├── UpstreamTimeout       no answer in time (it may still be working)     not retried
     │   ├── UpstreamHTTPError     429 or 5xx                                      retried
     │   ├── UpstreamBadResponse   not OpenAI's SSE, JSON or chunks                not retried
+    │   ├── UpstreamErrorEvent    a stream whose first event is an error object   not retried
     │   └── CircuitOpen           the breaker refused the call                    not retried
     ├── UpstreamRejected          any other 4xx: the request's fault, passed on verbatim, never retried
     └── UpstreamStreamBroken      the stream died after its first event
 
-Deliberate: an in-band `{"error": ...}` event from the upstream is yielded like a chunk, not raised:
-it is the upstream's answer and the client should see it.
+Deliberate: an in-band `{"error": ...}` event from the upstream after its first event is yielded like
+a chunk, not raised: it is the upstream's answer and the client should see it. As the first event it
+is raised (`UpstreamErrorEvent`): nothing has reached the client, which gets a plain HTTP error or a
+fallback instead of a 200 whose stream holds only the error.
 
 Observed through an optional `UpstreamMetrics` (gateway.observability.Metrics): one `observe_upstream`
 per attempt, by the exception's `outcome` (a stream's when it ends, so its latency runs to the last
@@ -116,6 +119,22 @@ class UpstreamBadResponse(UpstreamUnavailable):
     code = "upstream_bad_response"
 
 
+class UpstreamErrorEvent(UpstreamUnavailable):
+    """The upstream answered 200 and then, before any chunk, an in-band error (vLLM streams errors
+    found while generating this way). Not counted against the breaker: the upstream is up, and a
+    request that makes it fail would otherwise open the circuit for every tenant."""
+
+    status = 502
+    breaker_failure = False
+
+    def __init__(self, upstream: str, event: Mapping[str, Any]):
+        self.body = normalise_error(event, self.status)
+        super().__init__(upstream, f"error event: {self.body['error']['message']}")
+
+    def error_body(self) -> dict[str, Any]:
+        return self.body  # the upstream's message, type and code
+
+
 class CircuitOpen(UpstreamUnavailable):
     code = "upstream_circuit_open"
     breaker_failure = False
@@ -168,7 +187,8 @@ def normalise_error(payload: Any, status: int) -> dict[str, Any]:
     if isinstance(payload, Mapping):
         err = payload.get("error")
         if isinstance(err, Mapping):
-            return _error_obj(str(err.get("message", "")), str(err.get("type") or "invalid_request_error"),
+            default = "invalid_request_error" if status < 500 else "server_error"
+            return _error_obj(str(err.get("message", "")), str(err.get("type") or default),
                               None if err.get("code") is None else str(err.get("code")), err.get("param"))  # fmt: skip
         if isinstance(err, str):  # TGI: {"error": "...", "error_type": "..."}
             return _error_obj(err, str(payload.get("error_type") or "invalid_request_error"))
@@ -475,6 +495,9 @@ class UpstreamClient:
             stream = UpstreamStream(self, resp, rewrite or Rewrite(), started)
             try:
                 await stream._peek()
+                first = stream._first
+                if first is not None and "error" in first and "choices" not in first:
+                    raise UpstreamErrorEvent(self.name, first)
             except BaseException:
                 await resp.aclose()
                 raise

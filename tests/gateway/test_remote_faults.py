@@ -156,3 +156,41 @@ async def test_unreadable_upstream_chunks_are_the_upstreams_fault(
         "upstream_stream_broken",
         "upstream_bad_response",
     )
+
+
+ERROR_EVENT = {"error": {"message": "engine failed", "code": "boom"}}  # no type: the upstream's fault
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+async def test_an_error_as_the_first_event_is_a_plain_502_or_a_fallback(
+    upstream: RawUpstream, gateway: str, stream_: bool
+) -> None:
+    """Nothing has reached the client when the upstream's first event is an error: the client gets
+    a plain 502 with the upstream's error (a stream got a 200 holding only that error, a request
+    not streamed a 500), and a route with a fallback falls back."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        upstream.actions = [stream([ERROR_EVENT])]
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+        assert r.status_code == 502, r.text
+        assert r.json()["error"] == {"message": "engine failed", "type": "server_error", "param": None,
+                                     "code": "boom"}  # fmt: skip
+        upstream.actions = [stream([ERROR_EVENT])]
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "model": "auto", "stream": stream_})
+    assert r.status_code == 200 and r.headers["x-specgate-route"].startswith("tier=local;")
+    assert "local answer" in (r.text if stream_ else r.json()["choices"][0]["message"]["content"])
+
+
+async def test_an_error_event_mid_stream_is_a_502_for_a_request_not_streamed(
+    upstream: RawUpstream, gateway: str
+) -> None:
+    """The upstream failed, not the gateway: a 502 (it was a 500 `server_error`, a gateway fault)."""
+    upstream.actions = [stream([*good_chunks()[:2], ERROR_EVENT])]
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(gateway + "/chat/completions", json=CHAT)
+    assert r.status_code == 502
+    assert r.json()["error"] == {
+        "message": "engine failed",
+        "type": "server_error",
+        "param": None,
+        "code": "boom",
+    }
