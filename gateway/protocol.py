@@ -200,7 +200,9 @@ class _Sampling(_Request):
     model: str = Field(min_length=1)
     max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    # [0, 1] as OpenAI's schema has it (clients send 0 for "the likeliest token only", which vLLM and
+    # TGI once refused: TGI#2231); 0 is served as the smallest top_p (serving.to_job)
+    top_p: float | None = Field(default=None, ge=0, le=1)
     n: Count = 1
     stop: str | list[str] | None = None
     # n seeded choices use seed, seed + 1, ...: the range keeps every one within a 64-bit generator seed

@@ -50,6 +50,12 @@ class GatewayState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# top_p 0 as OpenAI serves it, the nucleus of the likeliest token alone: the smallest positive float
+# keeps just that token (sampling keeps the first token always), and the engine (and a vLLM upstream)
+# takes top_p in (0, 1]
+SMALLEST_TOP_P = 5e-324
+
+
 def to_job(
     req: ChatCompletionRequest | CompletionRequest, request_id: str, tenant: str, settings: Settings
 ) -> Job:
@@ -117,7 +123,7 @@ def to_job(
         n=req.n,
         max_tokens=limit,
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        top_p=1.0 if req.top_p is None else req.top_p or SMALLEST_TOP_P,
         top_k=req.top_k or 0,
         seed=req.seed,
         stops=tuple(req.stops),

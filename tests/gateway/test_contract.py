@@ -89,3 +89,20 @@ async def test_continue_final_message_continues_an_assistant_prefill_as_vllm_doe
     assert job.vllm_extras() == {"add_generation_prompt": False, "continue_final_message": True}
     assert output_params({"add_generation_prompt": True, "continue_final_message": False}) == {}
     assert output_params({"continue_final_message": True}) != {}
+
+
+async def test_top_p_0_is_the_likeliest_token_as_openai_serves_it() -> None:
+    """OpenAI takes top_p in [0, 1] and clients send 0 to mean greedy (TGI#2231); it was a 400 here,
+    as vLLM's (0, 1]. It reaches the engine as the smallest positive top_p; below 0 is still a 400."""
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    async with client(app) as c:
+        for path, body in (
+            ("/v1/chat/completions", {"model": "fake", "messages": MSGS}),
+            ("/v1/completions", {"model": "fake", "prompt": "a"}),
+        ):
+            r = await c.post(path, json={**body, "top_p": 0, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert engine.requests[-1].params.top_p == 5e-324
+            r = await c.post(path, json={**body, "top_p": -0.1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"

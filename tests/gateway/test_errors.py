@@ -108,8 +108,8 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         "temperature",
     ),
     (
-        "top_p zero",
-        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}',
+        "top_p above 1",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 1.01}',
         400,
         "top_p",
     ),
@@ -209,7 +209,12 @@ def test_integral_floats_are_integers(server: Server, headers: dict[str, str]) -
 
 def test_degenerate_sampling_parameters_still_generate(server: Server, headers: dict[str, str]) -> None:
     """A temperature or top_p so small that naive arithmetic underflows to NaN is greedy, not a fault."""
-    for over in ({"temperature": 1e-300}, {"top_p": 5e-324}, {"temperature": 1e-45, "top_p": 1e-300}):
+    for over in (
+        {"temperature": 1e-300},
+        {"top_p": 5e-324},
+        {"temperature": 1e-45, "top_p": 1e-300},
+        {"top_p": 0, "temperature": 2},  # OpenAI's range is [0, 1]: the likeliest token alone
+    ):
         body = ok_chat(max_tokens=8, **over)
         r = httpx.post(server.base_url + "/chat/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 200, (over, r.text)
