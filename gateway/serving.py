@@ -349,6 +349,7 @@ async def _serve(
         if gen is None:
             decision, gen = await route.start()
             headers["x-specgate-route"] = decision.header_value()  # after any fallback
+            fmt.model = decision.model  # a fallback's answer names the model that gave it, not the pick
     except Exception as exc:
         error = to_api_error(exc, prompt_param, retry)
         if admitted and error.status >= 500:  # the gateway's failure: the request is not the client's to pay

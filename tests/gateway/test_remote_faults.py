@@ -80,6 +80,15 @@ def stream(events: list[dict[str, Any]], done: bool = True) -> Action:
     return act
 
 
+def status(code: int, body: bytes = b'{"error": {"message": "scripted", "type": "server_error"}}') -> Action:
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (code, len(body), body))  # fmt: skip
+        await w.drain()
+
+    return act
+
+
 @pytest.fixture
 async def upstream() -> AsyncIterator[RawUpstream]:
     up = RawUpstream()
@@ -194,3 +203,17 @@ async def test_an_error_event_mid_stream_is_a_502_for_a_request_not_streamed(
         "param": None,
         "code": "boom",
     }
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+async def test_a_fallbacks_answer_names_the_model_that_gave_it(
+    upstream: RawUpstream, gateway: str, stream_: bool
+) -> None:
+    """The upstream fails before its first byte and the local tier answers: every chunk's `model`
+    named the upstream's model, which gave nothing, while x-specgate-route named the local one."""
+    upstream.actions = [status(500)]
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "model": "auto", "stream": stream_})
+    assert r.status_code == 200 and r.headers["x-specgate-route"].startswith("tier=local; model=fake;")
+    bodies = [json.loads(e) for e in data_events(r.text)[:-1]] if stream_ else [r.json()]
+    assert bodies and {b["model"] for b in bodies} == {"fake"}
