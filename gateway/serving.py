@@ -23,7 +23,15 @@ from starlette.responses import JSONResponse, Response
 
 from decoding.params import SpecMode, SpecParams
 from gateway.backends import Backend, Delta, Generation, Job, ServingCache
-from gateway.errors import APIError, bad_request, error_event, error_response, to_api_error, unavailable
+from gateway.errors import (
+    APIError,
+    bad_request,
+    clip,
+    error_event,
+    error_response,
+    to_api_error,
+    unavailable,
+)
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.limits import RateLimiter, read_body
 from gateway.observability import note_completion, note_usage, observe_job
@@ -319,6 +327,7 @@ async def _serve(
     try:
         headers = await state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
         admitted = state.limiter.enabled
+        _json_content_type(request.headers.get("content-type"))
         body = await read_body(request, settings.limits.max_body_bytes)
         try:
             req = schema.model_validate_json(body)
@@ -350,6 +359,10 @@ async def _serve(
             decision, gen = await route.start()
             headers["x-specgate-route"] = decision.header_value()  # after any fallback
             fmt.model = decision.model  # a fallback's answer names the model that gave it, not the pick
+            if decision is not route.attempts[0][0]:
+                # the cache key names the pick's model: a fallback's answer stored under it would be
+                # served as the pick's for the whole ttl after the pick recovers
+                cached = None
     except Exception as exc:
         error = to_api_error(exc, prompt_param, retry)
         if admitted and error.status >= 500:  # the gateway's failure: the request is not the client's to pay
@@ -382,6 +395,21 @@ async def _serve(
         return Response(status_code=499)
     finished()
     return JSONResponse(whole, headers=headers)
+
+
+def _json_content_type(header: str | None) -> None:
+    """A body declared as something other than JSON is refused, as OpenAI and vLLM refuse it (curl's
+    ``-d`` sends a form type: OpenAI then finds no model): read as JSON anyway, it worked here and
+    nowhere else. A body with no Content-Type is read as JSON, as vLLM (FastAPI) reads one."""
+    if header is None:
+        return
+    media = header.partition(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise bad_request(
+        f"Unsupported Content-Type '{clip(media, 64)}': send the body as JSON, with "
+        "'Content-Type: application/json'."
+    )
 
 
 def _choices(job: Job) -> int:

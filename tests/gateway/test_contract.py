@@ -106,3 +106,29 @@ async def test_top_p_0_is_the_likeliest_token_as_openai_serves_it() -> None:
             assert engine.requests[-1].params.top_p == 5e-324
             r = await c.post(path, json={**body, "top_p": -0.1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+
+
+async def test_a_body_declared_as_anything_but_json_is_a_400() -> None:
+    """A form or text Content-Type is refused, as OpenAI and vLLM refuse it (curl -d sends a form
+    type): the body was read as JSON regardless, so a request that fails everywhere else worked
+    here. JSON with a charset or a +json type is JSON; no Content-Type at all is read as JSON, as
+    vLLM (FastAPI) reads it."""
+    app = create_app(settings(), engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+    body = json.dumps({"model": "fake", "messages": MSGS, "max_tokens": 2}).encode()
+    async with client(app) as c:
+        for kind in ("application/x-www-form-urlencoded", "text/plain;charset=UTF-8", "multipart/form-data"):
+            for path in ("/v1/chat/completions", "/v1/completions"):
+                r = await c.post(path, content=body, headers={"content-type": kind})
+                assert r.status_code == 400, (kind, r.text)
+                error = r.json()["error"]
+                assert error["type"] == "invalid_request_error" and "application/json" in error["message"]
+        for kind in (
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+            "application/vnd.x+json",
+        ):
+            r = await c.post("/v1/chat/completions", content=body, headers={"content-type": kind})
+            assert r.status_code == 200, (kind, r.text)
+        r = await c.post("/v1/chat/completions", content=body)  # httpx sends no Content-Type
+        assert "content-type" not in r.request.headers and r.status_code == 200
