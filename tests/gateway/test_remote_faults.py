@@ -98,14 +98,14 @@ async def upstream() -> AsyncIterator[RawUpstream]:
 
 
 async def serve_gateway(
-    up: RawUpstream, **upstream_settings: Any
+    up: RawUpstream, cache: bool = False, **upstream_settings: Any
 ) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
     """The gateway with a local model `fake` and the upstream `u` serving `up-model`; `auto` goes
     to the upstream first and falls back to the local tier."""
     u = {"name": "u", "base_url": f"http://127.0.0.1:{up.port}/v1", "model": "up-model", "retries": 0,
          "timeout_s": 2.0, "breaker_failures": 100} | upstream_settings  # fmt: skip
     settings = load_settings(env={}, overrides={
-        "cache": {"enabled": False}, "upstreams": [u], "models": [{"name": "fake", "source": "x"}],
+        "cache": {"enabled": cache}, "upstreams": [u], "models": [{"name": "fake", "source": "x"}],
         "router": {"tiers": [{"name": "local", "model": "fake"},
                              {"name": "remote", "upstream": "u", "threshold": 0.0, "fallback": ["local"]}]},
     })  # fmt: skip
@@ -217,3 +217,22 @@ async def test_a_fallbacks_answer_names_the_model_that_gave_it(
     assert r.status_code == 200 and r.headers["x-specgate-route"].startswith("tier=local; model=fake;")
     bodies = [json.loads(e) for e in data_events(r.text)[:-1]] if stream_ else [r.json()]
     assert bodies and {b["model"] for b in bodies} == {"fake"}
+
+
+async def test_a_fallbacks_answer_is_not_cached_as_the_upstreams(upstream: RawUpstream) -> None:
+    """The cache key names the routed pick's model: a local fallback's answer, stored under it, was
+    served for the upstream for the cache's ttl (an hour by default) once the upstream recovered."""
+    base, server, task = await serve_gateway(upstream, cache=True)
+    try:
+        body = {**CHAT, "model": "auto", "temperature": 0}
+        async with httpx.AsyncClient(timeout=10) as c:
+            upstream.actions = [status(503)]
+            r = await c.post(base + "/chat/completions", json=body)
+            assert r.headers["x-specgate-route"].startswith("tier=local;")
+            r = await c.post(base + "/chat/completions", json=body)  # the upstream is back
+            assert r.headers["x-specgate-route"].startswith("tier=remote;")
+            assert r.json()["choices"][0]["message"]["content"] == "Hello", (r.headers, upstream.requests)
+            assert r.json()["model"] == "up-model"
+    finally:
+        server.should_exit = True
+        await task
