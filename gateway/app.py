@@ -289,13 +289,11 @@ async def openapi(request: Request) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     path = request.url.path[:MAX_CLIENT_CHARS]
-    # OpenAI's words for a path it does not serve: "Invalid URL (POST /v1/nothing)", an
-    # invalid_request_error (clients branch on the type)
-    message = (
-        f"Invalid URL ({request.method} {path})"
-        if exc.status_code == 404
-        else f"{exc.detail}: {request.method} {path}"
-    )
+    # OpenAI's words for a path it does not serve, "Invalid URL (POST /v1/nothing)", and for a method
+    # a path does not take, "Invalid method for URL (GET /v1/chat/completions)": invalid_request_errors
+    # (clients branch on the type)
+    words = {404: "Invalid URL", 405: "Invalid method for URL"}.get(exc.status_code)
+    message = f"{words} ({request.method} {path})" if words else f"{exc.detail}: {request.method} {path}"
     # exc.headers carries 405's Allow, which the response must keep
     err = APIError(exc.status_code, message, "invalid_request_error", headers=dict(exc.headers or {}))
     return error_response(err)

@@ -383,8 +383,11 @@ def test_unknown_route_and_method(server: Server, headers: dict[str, str]) -> No
     err = assert_error(httpx.get(server.base_url + "/nothing", headers=headers), 404)
     assert err["type"] == "invalid_request_error" and err["message"] == "Invalid URL (GET /v1/nothing)"
     r = httpx.get(server.base_url + "/chat/completions", headers=headers)
-    assert_error(r, 405)
+    err = assert_error(r, 405)
     assert r.headers["allow"] == "POST"
+    # OpenAI's 405, word for word (it said "Method Not Allowed: GET ...")
+    assert err["type"] == "invalid_request_error"
+    assert err["message"] == "Invalid method for URL (GET /v1/chat/completions)"
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/completions", "/models", "/models/tiny"])
