@@ -131,6 +131,8 @@ class ChatMessage(_Strict):
         role = info.data.get("role")
         if content is None and role is not None and role != "assistant":
             raise ValueError(f"Missing required parameter: a {role} message needs content")
+        if content == [] and role != "assistant":  # OpenAI refuses an empty array: it is no content
+            raise ValueError("empty array. Expected an array with minimum length 1")
         return content
 
     @field_validator("content", mode="before")

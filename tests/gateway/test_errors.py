@@ -63,6 +63,12 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         400,
         "messages[0].content",
     ),
+    (  # OpenAI: "empty array. Expected an array with minimum length 1"; it was read as ""
+        "user message with an empty content array",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": []}]}',
+        400,
+        "messages[0].content",
+    ),
     (
         "user message without content",
         b'{"model": "tiny", "messages": [{"role": "user"}]}',
