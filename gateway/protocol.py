@@ -177,7 +177,8 @@ class NamedToolChoice(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    name: str = Field(min_length=1, max_length=64)
+    # OpenAI's rule for the name, as for a function's: a-z, A-Z, 0-9, _ and -, at most 64
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None

@@ -137,6 +137,13 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         400,
         "response_format.type",
     ),
+    (  # OpenAI's pattern for the name, as for a function's; it was taken
+        "json_schema name with a space",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+        b'"json_schema", "json_schema": {"name": "my schema", "schema": {"type": "object"}}}}',
+        400,
+        "response_format.json_schema.name",
+    ),
     (
         "logit_bias out of range",
         b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 500}}',
