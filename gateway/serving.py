@@ -12,7 +12,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from prometheus_client import CollectorRegistry
@@ -38,6 +38,8 @@ from gateway.observability import note_completion, note_usage, observe_job
 from gateway.protocol import CHAT_ONLY, UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from gateway.routing import RoutingService
 from gateway.settings import Settings
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -356,7 +358,13 @@ async def _serve(
         # a hit replays as a Generation, so it streams/formats/charges like a fresh one
         gen = cached.replay() if cached else None
         if gen is None:
-            decision, gen = await route.start()
+            # An upstream's first event waits for its queue and prefill (timeout_s between bytes, 60 s
+            # by default), and Starlette notices a client that left only once a stream has begun:
+            # until then this listens itself, so the upstream's call ends with the client's
+            started = await _unless_disconnected(request, route.start(), state.cut, retry)
+            if started is None:
+                return Response(status_code=499)
+            decision, gen = started
             headers["x-specgate-route"] = decision.header_value()  # after any fallback
             fmt.model = decision.model  # a fallback's answer names the model that gave it, not the pick
             if decision is not route.attempts[0][0]:
@@ -434,8 +442,8 @@ def _cut_off(retry_after: int) -> APIError:
 
 
 async def _unless_disconnected(
-    request: Request, work: Coroutine[Any, Any, dict[str, Any]], cut: asyncio.Event, retry_after: int
-) -> dict[str, Any] | None:
+    request: Request, work: Coroutine[Any, Any, T], cut: asyncio.Event, retry_after: int
+) -> T | None:
     """Run ``work`` unless the client disconnects first; then cancel it (which aborts generation).
     At the drain timeout (``cut``) the work is cancelled too, and the client gets a 503.
 

@@ -29,6 +29,7 @@ class RawUpstream:
         self.port = free_port()
         self.actions: list[Action] = []
         self.requests = 0
+        self.holding = asyncio.Event()  # a `hold` action has the request
         self.closed_by_gateway = asyncio.Event()
 
     async def start(self) -> None:
@@ -85,6 +86,18 @@ def status(code: int, body: bytes = b'{"error": {"message": "scripted", "type": 
         w.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                 % (code, len(body), body))  # fmt: skip
         await w.drain()
+
+    return act
+
+
+def hold(up: RawUpstream) -> Action:
+    """Accept the request and answer nothing until the gateway closes the connection."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        up.holding.set()
+        while await r.read(1024):
+            pass
+        up.closed_by_gateway.set()
 
     return act
 
@@ -235,4 +248,24 @@ async def test_a_fallbacks_answer_is_not_cached_as_the_upstreams(upstream: RawUp
             assert r.json()["model"] == "up-model"
     finally:
         server.should_exit = True
+        await task
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+async def test_a_client_that_leaves_before_the_first_event_ends_the_upstream_call(
+    upstream: RawUpstream, stream_: bool
+) -> None:
+    """The upstream's call stayed open until its first event or its timeout_s (60 s by default,
+    4 s measured here at timeout_s 4): nothing listened for the client before the response began."""
+    base, server, task = await serve_gateway(upstream, timeout_s=600)
+    try:
+        upstream.actions = [hold(upstream)]
+        async with httpx.AsyncClient(timeout=None) as c:
+            call = asyncio.ensure_future(c.post(base + "/chat/completions", json={**CHAT, "stream": stream_}))
+            await asyncio.wait_for(upstream.holding.wait(), 30)
+            call.cancel()  # the client goes away: its connection closes
+            await asyncio.wait({call})
+        await asyncio.wait_for(upstream.closed_by_gateway.wait(), 30)  # well inside the 600 s timeout
+    finally:
+        server.should_exit = server.force_exit = True  # not waiting for a request still held
         await task
