@@ -98,18 +98,34 @@ def _completion_logprobs(choice: dict[str, Any]) -> tuple[list[LogprobEntry] | N
     return entries, None if first is None else PromptLogprobs(first, [])
 
 
-def _tool_calls(delta: dict[str, Any]) -> list[ToolCallDelta] | None:
-    """An upstream's streamed tool_calls, passed on piece by piece (same indexes, ids, fragments)."""
-    out = []
-    for c in delta.get("tool_calls") or []:
-        if not isinstance(c, dict):
-            continue
-        fn = c.get("function") or {}
-        # a call opens with its name (some servers repeat the id on every delta: not an opening)
-        opening = bool(fn.get("name"))
-        call_id = (c.get("id") or new_call_id()) if opening else None
-        out.append(ToolCallDelta(int(c.get("index", 0)), fn.get("arguments") or "", call_id, fn.get("name")))
-    return out or None
+class _Calls:
+    """An upstream's streamed tool_calls as ours (same ids and fragments). A call opens the first time
+    its index shows up in its choice, and indexes are renumbered in that order: servers differ (some
+    repeat the name or id on every delta, some open a call before naming it, some count from 1), and
+    the formatter keeps a choice's calls as a list. Read by the name alone, a repeated name opened a
+    second, empty call, and a first delta without one, or an index 1 first, was a 500."""
+
+    def __init__(self) -> None:
+        self.ours: dict[tuple[int, int], int] = {}  # (choice, upstream index) -> our index
+        self.opened: dict[int, int] = {}  # choice -> calls opened
+
+    def deltas(self, choice: int, delta: dict[str, Any]) -> list[ToolCallDelta] | None:
+        out = []
+        for c in delta.get("tool_calls") or []:  # router.upstream.malformed checked their types
+            fn = c.get("function") or {}
+            key = (choice, c.get("index", 0))
+            if key in self.ours:
+                if fn.get("arguments"):
+                    out.append(ToolCallDelta(self.ours[key], fn["arguments"]))
+                continue
+            index = self.ours[key] = self.opened.get(choice, 0)
+            self.opened[choice] = index + 1
+            out.append(
+                ToolCallDelta(
+                    index, fn.get("arguments") or "", c.get("id") or new_call_id(), fn.get("name") or ""
+                )
+            )
+        return out or None
 
 
 def _trace_headers(job: Job) -> dict[str, str]:
@@ -153,6 +169,7 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
     held: list[Delta] = []
     counted = 0
     choices = job.n * (len(job.prompts) if job.prompts is not None else 1)
+    calls = _Calls()
     try:
         async for event in stream:
             if "error" in event and "choices" not in event:
@@ -180,7 +197,7 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                 d = Delta(int(choice.get("index", 0)), text or "", None, choice.get("finish_reason"))
                 if job.kind == "chat":
                     d.logprobs = _logprobs(choice)
-                    d.tool_calls = _tool_calls(choice.get("delta") or {})
+                    d.tool_calls = calls.deltas(d.index, choice.get("delta") or {})
                 else:  # with echo the text and logprobs begin with the upstream's echoed prompt
                     d.logprobs, d.prompt_logprobs = _completion_logprobs(choice)
                 if not (d.text or d.finish_reason or d.tool_calls or d.logprobs or d.prompt_logprobs):

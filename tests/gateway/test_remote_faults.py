@@ -269,3 +269,41 @@ async def test_a_client_that_leaves_before_the_first_event_ends_the_upstream_cal
     finally:
         server.should_exit = server.force_exit = True  # not waiting for a request still held
         await task
+
+
+def call(
+    index: int, id_: str | None = None, name: str | None = None, args: str | None = None
+) -> dict[str, Any]:
+    return {"index": index, **({"id": id_, "type": "function"} if id_ else {}),
+            "function": {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}}  # fmt: skip
+
+
+TOOL_STREAMS = {
+    "the name on every delta": [call(0, "call_a", "get", '{"a"'), call(0, None, "get", ":1}")],
+    "counted from 1": [call(1, "call_a", "get", '{"a"'), call(1, None, None, ":1}")],
+    "the name after the opening": [call(0, "call_a", None, ""), call(0, None, None, '{"a":1}')],
+}
+
+
+@pytest.mark.parametrize("calls", TOOL_STREAMS.values(), ids=TOOL_STREAMS.keys())
+async def test_upstream_tool_call_deltas_open_one_call_per_index(
+    upstream: RawUpstream, gateway: str, calls: list[dict[str, Any]]
+) -> None:
+    """A call opens the first time its index shows up: a name repeated on every delta opened a second,
+    empty call (and streamed two openings for index 0), and an index 1 first or an opening without
+    a name was a 500."""
+    events = [chunk({"tool_calls": [c]}) for c in calls] + [chunk({}, "tool_calls")]
+    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "get", "parameters": {}}}]}
+    async with httpx.AsyncClient(timeout=10) as c:
+        upstream.actions = [stream(events), stream(events)]
+        whole = await c.post(gateway + "/chat/completions", json=body)
+        streamed = await c.post(gateway + "/chat/completions", json={**body, "stream": True})
+    assert whole.status_code == 200, whole.text
+    [only] = whole.json()["choices"][0]["message"]["tool_calls"]
+    assert only["id"] == "call_a" and only["function"]["arguments"] == '{"a":1}'
+    pieces = [
+        t for e in data_events(streamed.text)[:-1] for ch in json.loads(e)["choices"]
+        for t in ch["delta"].get("tool_calls") or []
+    ]  # fmt: skip
+    assert [t["id"] for t in pieces if "id" in t] == ["call_a"] and {t["index"] for t in pieces} == {0}
+    assert "".join(t["function"].get("arguments", "") for t in pieces) == '{"a":1}'

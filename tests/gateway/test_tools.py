@@ -16,7 +16,7 @@ from decoding.tiny import byte_tokenizer
 from gateway.app import create_app
 from gateway.backends import ToolCallDelta
 from gateway.grammars import grammar_for, tool_grammar
-from gateway.remote import _tool_calls
+from gateway.remote import _Calls
 from gateway.settings import load_settings
 from gateway.tools import ToolCallParser
 from tests.gateway.fakes import ScriptedEngine, token_ids
@@ -206,10 +206,11 @@ def test_strict_calls_may_follow_text_with_qwens_tokenizer() -> None:
 
 @pytest.mark.parametrize("repeat_id", [False, True])
 def test_upstream_tool_call_deltas_pass_through(repeat_id: bool) -> None:
-    first = _tool_calls({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
-                                         "function": {"name": "f", "arguments": ""}}]})  # fmt: skip
-    later = _tool_calls({"tool_calls": [{"index": 0, **({"id": "c1"} if repeat_id else {}),
-                                         "function": {"arguments": '{"a"'}}]})  # fmt: skip
+    calls = _Calls()
+    first = calls.deltas(0, {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                             "function": {"name": "f", "arguments": ""}}]})  # fmt: skip
+    later = calls.deltas(0, {"tool_calls": [{"index": 0, **({"id": "c1"} if repeat_id else {}),
+                                             "function": {"arguments": '{"a"'}}]})  # fmt: skip
     assert first == [ToolCallDelta(0, "", "c1", "f")]
     assert later == [ToolCallDelta(0, '{"a"', None, None)]
 
