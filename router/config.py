@@ -39,6 +39,10 @@ class UpstreamSettings(BaseModel):
         default=2, ge=0, le=10
     )  # extra attempts on connect errors, 429 and 5xx, never on 4xx
     backoff_s: float = Field(default=0.25, ge=0)  # first retry delay, doubled per attempt (Retry-After wins)
+    # A Retry-After longer than this is passed on at once (to the client, with the header, or to the
+    # route's fallback) instead of waited out: waited, Retry-After 2 on a 429 held the request 4 s
+    # before its 429 or its fallback with the default 2 retries, and a hosted API's 20-60 s up to 2 min
+    max_retry_wait_s: float = Field(default=1.0, ge=0)
     breaker_failures: int = Field(default=5, ge=1)  # consecutive failures that open the circuit
     breaker_reset_s: float = Field(
         default=30.0, gt=0

@@ -11,7 +11,7 @@ Exceptions (every httpx exception is translated in `_translated`, nowhere else):
     ├── UpstreamUnavailable       nothing reached the client: the gateway may fall back
     │   ├── UpstreamConnectError  refused, reset, DNS, TLS                        retried
     │   ├── UpstreamTimeout       no answer in time (it may still be working)     not retried
-    │   ├── UpstreamHTTPError     429 or 5xx                                      retried
+    │   ├── UpstreamHTTPError     429 or 5xx                                      retried (a short Retry-After)
     │   ├── UpstreamBadResponse   not OpenAI's SSE, JSON or chunks                not retried
     │   ├── UpstreamErrorEvent    a stream whose first event is an error object   not retried
     │   └── CircuitOpen           the breaker refused the call                    not retried
@@ -434,9 +434,13 @@ class UpstreamClient:
             return UpstreamHTTPError(self.name, resp.status_code, message, _retry_after(resp))
         return UpstreamRejected(self.name, resp.status_code, normalise_error(payload, resp.status_code))
 
+    def _too_long(self, exc: UpstreamError) -> bool:
+        """Is the upstream's Retry-After longer than a retry here may wait (max_retry_wait_s)?"""
+        return exc.retry_after is not None and exc.retry_after > self.settings.max_retry_wait_s
+
     def _delay(self, attempt: int, exc: UpstreamError) -> float:
         if exc.retry_after is not None:
-            return min(exc.retry_after, self.settings.timeout_s)
+            return exc.retry_after  # at most max_retry_wait_s: _too_long
         # Exponential backoff with jitter, so retrying gateways do not stampede a recovering upstream.
         return self.settings.backoff_s * (2.0**attempt) * random.uniform(0.5, 1.0)
 
@@ -464,7 +468,7 @@ class UpstreamClient:
                 elif not isinstance(exc, UpstreamHTTPError):
                     self.breaker.record_success()  # a 4xx: the upstream is up and answering
                 self._observe(exc.outcome, started)
-                if not exc.retryable or attempt == self.settings.retries:
+                if not exc.retryable or attempt == self.settings.retries or self._too_long(exc):
                     raise
                 if self.metrics is not None:
                     self.metrics.observe_upstream_retry(self.name, _retry_reason(exc))

@@ -81,10 +81,14 @@ def stream(events: list[dict[str, Any]], done: bool = True) -> Action:
     return act
 
 
-def status(code: int, body: bytes = b'{"error": {"message": "scripted", "type": "server_error"}}') -> Action:
+def status(
+    code: int,
+    body: bytes = b'{"error": {"message": "scripted", "type": "server_error"}}',
+    headers: bytes = b"",
+) -> Action:
     async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        w.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                % (code, len(body), body))  # fmt: skip
+        w.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+                % (code, len(body), headers, body))  # fmt: skip
         await w.drain()
 
     return act
@@ -307,3 +311,25 @@ async def test_upstream_tool_call_deltas_open_one_call_per_index(
     ]  # fmt: skip
     assert [t["id"] for t in pieces if "id" in t] == ["call_a"] and {t["index"] for t in pieces} == {0}
     assert "".join(t["function"].get("arguments", "") for t in pieces) == '{"a":1}'
+
+
+async def test_a_long_retry_after_is_passed_on_not_waited_out(upstream: RawUpstream) -> None:
+    """A 429 whose Retry-After is longer than max_retry_wait_s goes to the client at once, header
+    kept, or to the route's fallback: each retry waited it out (up to timeout_s), so Retry-After 2
+    held the request 4 s with 2 retries before the same 429, or before the fallback. A short one is
+    still retried."""
+    base, server, task = await serve_gateway(upstream, retries=2, timeout_s=30)
+    limited = status(429, headers=b"retry-after: 20\r\n")
+    try:
+        async with httpx.AsyncClient(timeout=60) as c:
+            upstream.actions = [limited] * 3
+            r = await c.post(base + "/chat/completions", json=CHAT)
+            assert (r.status_code, r.headers["retry-after"], upstream.requests) == (429, "20", 1)
+            r = await c.post(base + "/chat/completions", json={**CHAT, "model": "auto"})
+            assert r.headers["x-specgate-route"].startswith("tier=local;") and upstream.requests == 2
+            upstream.actions = [status(429, headers=b"retry-after: 0\r\n")]
+            r = await c.post(base + "/chat/completions", json=CHAT)
+            assert r.status_code == 200 and upstream.requests == 4  # retried, then answered
+    finally:
+        server.should_exit = True
+        await task
