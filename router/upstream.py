@@ -308,6 +308,9 @@ class UpstreamStream:
         self._lines = resp.aiter_lines()  # decodes UTF-8 incrementally: split characters are safe
         self._first: dict[str, Any] | None = None
         self._done = False
+        self._unfinished: set[int] | None = (
+            None  # choices seen without their finish_reason; None: no chunk yet
+        )
         self._started = started  # perf_counter when the request was sent
         self._outcome: str | None = "ok"  # observed when the stream closes; None once observed
         self.status_code = resp.status_code
@@ -332,6 +335,11 @@ class UpstreamStream:
         if data:  # a last event without its blank line
             payload = "\n".join(data)
             return None if payload.strip() == "[DONE]" else self._checked(json.loads(payload), payload)
+        if self._unfinished == set():
+            # The body ended cleanly (a cut one raises in httpx) after every choice's finish: some
+            # servers never send [DONE], and the SDK reading them directly ends there without an
+            # error; here the whole answer became a 502, or an error event after its last chunk
+            return None
         raise httpx.RemoteProtocolError("the stream ended without [DONE]")
 
     def _checked(self, event: Any, payload: str) -> dict[str, Any]:
@@ -340,6 +348,13 @@ class UpstreamStream:
         wrong = malformed(event)
         if wrong is not None:
             raise UpstreamBadResponse(self._client.name, f"unreadable chunk: {wrong}")
+        for c in event.get("choices") or ():
+            if self._unfinished is None:
+                self._unfinished = set()
+            if c.get("finish_reason") is None:
+                self._unfinished.add(c.get("index", 0))
+            else:
+                self._unfinished.discard(c.get("index", 0))
         return self._rewrite.apply(event)
 
     async def _peek(self) -> None:

@@ -333,3 +333,29 @@ async def test_a_long_retry_after_is_passed_on_not_waited_out(upstream: RawUpstr
     finally:
         server.should_exit = True
         await task
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+async def test_a_finished_stream_without_done_is_an_answer(
+    upstream: RawUpstream, gateway: str, stream_: bool
+) -> None:
+    """Some servers end the body after the last chunk and never send [DONE]; the SDK reading them
+    ends there. Every choice had finished, yet the answer was a 502 (streamed: an error event
+    after the last chunk). A body that ends before a choice's finish is still an error."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+    async with httpx.AsyncClient(timeout=10) as c:
+        upstream.actions = [
+            stream([*good_chunks(), usage], done=False),
+            stream(good_chunks()[:2], done=False),
+        ]
+        finished = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+        cut = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+    assert finished.status_code == 200, finished.text
+    if stream_:
+        assert "error" not in finished.text and data_events(finished.text)[-1] == "[DONE]"
+        assert json.loads(data_events(finished.text)[-2])["choices"][0]["finish_reason"] == "stop"
+        assert json.loads(data_events(cut.text)[-2])["error"]["code"] == "upstream_stream_broken"
+    else:
+        assert finished.json()["choices"][0]["message"]["content"] == "Hello"
+        assert finished.json()["usage"]["completion_tokens"] == 1
+        assert cut.status_code == 502
