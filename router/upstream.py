@@ -182,22 +182,45 @@ def _retry_reason(exc: UpstreamError) -> str:
     return "connect"
 
 
+MAX_MESSAGE_CHARS = 1000  # of an upstream's error message passed on (a 3 MB one came back whole)
+MAX_FIELD_CHARS = 128  # of its type, code and param
+
+
+def _field(value: Any, limit: int = MAX_FIELD_CHARS) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def normalise_error(payload: Any, status: int) -> dict[str, Any]:
-    """Any upstream error payload as the OpenAI error object (vLLM, TGI and FastAPI differ)."""
+    """Any upstream error payload as the OpenAI error object (vLLM, TGI and FastAPI differ): strings,
+    bounded. An upstream's `param` that was an object failed the gateway's own error model, a 400
+    blaming the client's 'param', or mid-stream a stream cut without its error event or [DONE]."""
+    default = "invalid_request_error" if status < 500 else "server_error"
+    message: Any = None
+    type_: Any = None
+    code = param = None
     if isinstance(payload, Mapping):
         err = payload.get("error")
         if isinstance(err, Mapping):
-            default = "invalid_request_error" if status < 500 else "server_error"
-            return _error_obj(str(err.get("message", "")), str(err.get("type") or default),
-                              None if err.get("code") is None else str(err.get("code")), err.get("param"))  # fmt: skip
-        if isinstance(err, str):  # TGI: {"error": "...", "error_type": "..."}
-            return _error_obj(err, str(payload.get("error_type") or "invalid_request_error"))
-        for key in ("message", "detail"):  # vLLM's older {"object": "error", "message": ...}; FastAPI
-            if key in payload:
-                return _error_obj(str(payload[key]), str(payload.get("type") or "invalid_request_error"))
-    text = payload if isinstance(payload, str) else json.dumps(payload)
+            message, type_, code, param = (
+                err.get("message"),
+                err.get("type"),
+                err.get("code"),
+                err.get("param"),
+            )
+        elif isinstance(err, str):  # TGI: {"error": "...", "error_type": "..."}
+            message, type_ = err, payload.get("error_type")
+        else:  # vLLM's older {"object": "error", "message": ...}; FastAPI's {"detail": ...}
+            key = next((k for k in ("message", "detail") if k in payload), None)
+            if key is not None:
+                message, type_ = payload[key], payload.get("type")
+    if message is None:
+        message = payload if isinstance(payload, str) else json.dumps(payload)
     return _error_obj(
-        text[:500] or f"HTTP {status}", "invalid_request_error" if status < 500 else "server_error"
+        _field(message, MAX_MESSAGE_CHARS) or f"HTTP {status}",
+        _field(type_ or default),
+        None if code is None else _field(code),
+        None if param is None else _field(param),
     )
 
 

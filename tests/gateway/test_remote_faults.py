@@ -359,3 +359,21 @@ async def test_a_finished_stream_without_done_is_an_answer(
         assert finished.json()["choices"][0]["message"]["content"] == "Hello"
         assert finished.json()["usage"]["completion_tokens"] == 1
         assert cut.status_code == 502
+
+
+async def test_upstream_error_fields_are_bounded_strings(upstream: RawUpstream, gateway: str) -> None:
+    """An upstream's error object is passed on as strings, bounded: a `param` that was an object
+    failed the gateway's own error model (a 400 blaming the client's 'param'; mid-stream, a stream
+    cut with neither its error event nor [DONE]), and a 3 MB message came back whole."""
+    odd = {"error": {"message": "M" * 3_000_000, "type": "invalid_request_error", "param": {"a": 1}}}
+    async with httpx.AsyncClient(timeout=10) as c:
+        upstream.actions = [status(400, json.dumps(odd).encode()), stream([*good_chunks()[:2], odd])]
+        refused = await c.post(gateway + "/chat/completions", json=CHAT)
+        streamed = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": True})
+    err = refused.json()["error"]
+    assert (
+        refused.status_code == 400 and err["param"] == '{"a": 1}' and err["type"] == "invalid_request_error"
+    )
+    assert err["message"].startswith("MMM") and len(err["message"]) < 2000
+    events = data_events(streamed.text)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["param"] == '{"a": 1}'
