@@ -363,7 +363,11 @@ class UpstreamStream:
             # servers never send [DONE], and the SDK reading them directly ends there without an
             # error; here the whole answer became a 502, or an error event after its last chunk
             return None
-        raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+        # A body that ended cleanly (httpx raises for a cut one) will end the same way if asked again:
+        # not retried, so an upstream that ignores `stream` and answers JSON (a whole generation
+        # each time) is asked once, not 1 + retries times
+        kind = self._resp.headers.get("content-type", "no content-type")
+        raise UpstreamBadResponse(self._client.name, f"the body ({kind[:64]}) ended without [DONE]")
 
     def _checked(self, event: Any, payload: str) -> dict[str, Any]:
         if not isinstance(event, dict):

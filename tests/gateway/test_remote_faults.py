@@ -377,3 +377,22 @@ async def test_upstream_error_fields_are_bounded_strings(upstream: RawUpstream, 
     assert err["message"].startswith("MMM") and len(err["message"]) < 2000
     events = data_events(streamed.text)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["param"] == '{"a": 1}'
+
+
+async def test_a_body_that_is_no_event_stream_is_not_asked_for_again(upstream: RawUpstream) -> None:
+    """An upstream that ignores `stream` answers a whole JSON completion: a 502 bad response, asked
+    once. Its clean end was taken for a broken connection and retried, a whole generation each time."""
+    base, server, task = await serve_gateway(upstream, retries=2, backoff_s=0)
+    whole = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": "hi"}}]}
+    try:
+        upstream.actions = [status(200, json.dumps(whole).encode())] * 3
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.post(base + "/chat/completions", json={**CHAT, "stream": True})
+        assert (r.status_code, r.json()["error"]["code"], upstream.requests) == (
+            502,
+            "upstream_bad_response",
+            1,
+        )
+    finally:
+        server.should_exit = True
+        await task
