@@ -18,6 +18,7 @@ from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.servers import free_port
 
 Action = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+CLOSE = b"connection: close\r\n\r\n"  # one request a connection: the gateway never reuses one this closes
 CHAT = {"model": "up-model", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -70,7 +71,9 @@ def stream(events: list[dict[str, Any]], done: bool = True) -> Action:
     """A 200 text/event-stream of ``events`` (chunked), then ``[DONE]``."""
 
     async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" + CLOSE
+        )
         body = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
         for piece in [*body, *([b"data: [DONE]\n\n"] if done else [])]:
             w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -87,8 +90,11 @@ def status(
     headers: bytes = b"",
 ) -> Action:
     async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        w.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
-                % (code, len(body), headers, body))  # fmt: skip
+        head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
+            code,
+            len(body),
+        )
+        w.write(head + headers + CLOSE + body)
         await w.drain()
 
     return act
