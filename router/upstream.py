@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
 from router.breaker import CircuitBreaker
 from router.config import UpstreamSettings
@@ -224,63 +225,58 @@ def normalise_error(payload: Any, status: int) -> dict[str, Any]:
     )
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+class _Read(BaseModel):
+    """The fields of an upstream chunk the gateway reads, with their types (strict: "0" is no
+    index, true no count); whatever else an upstream sends is its own and passes."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-def _wrong_choice(c: Any) -> str | None:
-    if not isinstance(c, dict):
-        return "a choice is not an object"
-    if not _is_count(c.get("index", 0)):
-        return "a choice's index is not a non-negative integer"
-    delta = c.get("delta")
-    if delta is not None and not isinstance(delta, dict):
-        return "a choice's delta is not an object"
-    texts = {
-        "text": c.get("text"),
-        "content": (delta or {}).get("content"),
-        "finish_reason": c.get("finish_reason"),
-    }
-    for key, value in texts.items():
-        if value is not None and not isinstance(value, str):
-            return f"a choice's {key} is not a string"
-    if c.get("logprobs") is not None and not isinstance(c["logprobs"], dict):
-        return "a choice's logprobs is not an object"
-    calls = (delta or {}).get("tool_calls")
-    if calls is not None and not isinstance(calls, list):
-        return "tool_calls is not a list"
-    for call in calls or ():
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or not _is_count(call.get("index", 0)):
-            return "a tool call is not an object with a non-negative integer index"
-        strings = isinstance(fn, dict) and all(
-            isinstance(fn.get(k) or "", str) for k in ("name", "arguments")
-        )
-        if fn is not None and not strings:
-            return "a tool call's function is not an object of strings"
-    return None
+class _Function(_Read):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCall(_Read):
+    index: NonNegativeInt = 0
+    function: _Function | None = None
+
+
+class _Delta(_Read):
+    content: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _Choice(_Read):
+    index: NonNegativeInt = 0
+    delta: _Delta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class _Usage(_Read):
+    prompt_tokens: NonNegativeInt | None = None
+    completion_tokens: NonNegativeInt | None = None
+
+
+class _Chunk(_Read):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
 
 
 def malformed(event: Mapping[str, Any]) -> str | None:
-    """What makes a chunk unreadable as OpenAI's (the fields the gateway reads, of the wrong type),
-    or None. Checked here, once, so that an upstream's garbage is its fault (502) wherever it is
-    read: a choice that was a string, an index "zero" or a usage count "x" were a 500 with a
-    traceback or a 400 blaming the client. An in-band error object is not a chunk: not checked."""
+    """What makes a chunk unreadable as OpenAI's (a field the gateway reads, of the wrong type), or
+    None. Checked here, once, so that an upstream's garbage is its fault (502) wherever it is read:
+    a choice that was a string, an index "zero" or a usage count "x" were a 500 with a traceback or
+    a 400 blaming the client. An in-band error object is not a chunk: not checked."""
     if "error" in event and "choices" not in event:
         return None
-    choices = event.get("choices")
-    if choices is not None and not isinstance(choices, list):
-        return "choices is not a list"
-    for c in choices or ():
-        wrong = _wrong_choice(c)
-        if wrong is not None:
-            return wrong
-    usage = event.get("usage")
-    if usage is not None and not (
-        isinstance(usage, dict)
-        and all(usage.get(k) is None or _is_count(usage[k]) for k in ("prompt_tokens", "completion_tokens"))
-    ):
-        return "usage is not an object of token counts"
+    try:
+        _Chunk.model_validate(event)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
     return None
 
 

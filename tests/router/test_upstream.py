@@ -25,6 +25,7 @@ from router.upstream import (
     UpstreamTimeout,
     UpstreamUnavailable,
     encode_event,
+    malformed,
 )
 from tests.router.conftest import FakeUpstream
 
@@ -225,3 +226,43 @@ async def test_circuit_breaker_opens_and_recovers(upstream_b: FakeUpstream) -> N
         assert c.breaker.state == BreakerState.CLOSED
     finally:
         await c.aclose()
+
+
+READABLE = {  # what OpenAI-compatible servers send, fields the gateway does not read included
+    "vllm chat": {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant",
+                  "content": "Hi", "reasoning_content": None}, "logprobs": None, "finish_reason": None,
+                  "stop_reason": None}], "usage": None},
+    "usage": {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+              "prompt_tokens_details": None}},
+    "tool call": {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                  "function": {"name": "f", "arguments": ""}}]}}]},
+    "completion": {"choices": [{"index": 0, "text": "a", "logprobs": {"tokens": ["a"]}, "finish_reason": "stop"}]},
+    "error event": {"error": {"message": "x", "param": {"odd": 1}}},
+}  # fmt: skip
+UNREADABLE = {  # -> the field named in the reason
+    "choices.0": {"choices": ["Hello"]},
+    "choices.0.index": {"choices": [{"index": True, "delta": {"content": "a"}}]},
+    "choices": {"choices": {"a": 1}},
+    "usage.prompt_tokens": {"choices": [], "usage": {"prompt_tokens": "3", "completion_tokens": 2}},
+    "choices.0.delta.content": {"choices": [{"index": 0, "delta": {"content": {"text": "a"}}}]},
+    "choices.0.delta.tool_calls.0.index": {
+        "choices": [{"index": 0, "delta": {"tool_calls": [{"index": -1}]}}]
+    },
+    "choices.0.delta.tool_calls.0.function.arguments": {
+        "choices": [
+            {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": {"a": 1}}}]}}
+        ]
+    },
+}
+
+
+@pytest.mark.parametrize("event", READABLE.values(), ids=READABLE.keys())
+def test_chunks_of_openai_compatible_servers_are_readable(event: dict[str, Any]) -> None:
+    assert malformed(event) is None
+
+
+@pytest.mark.parametrize(("field", "event"), UNREADABLE.items(), ids=UNREADABLE.keys())
+def test_an_unreadable_chunk_names_its_field(field: str, event: dict[str, Any]) -> None:
+    """A field the gateway reads, of the wrong type (strictly: "3" is no count, true no index)."""
+    reason = malformed(event)
+    assert reason is not None and reason.startswith(field + ":"), reason
