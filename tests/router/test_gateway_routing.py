@@ -102,7 +102,8 @@ def test_remote_completion_echo_is_the_upstreams(
             and lp["text_offset"] == want["logprobs"]["text_offset"]
         )
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-        assert lp["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:], abs=1e-5)
+        # (each request scores the prompt anew on the float32 upstream: 1.9e-5 apart once in a full run)
+        assert lp["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:], abs=1e-4)
         assert [sorted(t) for t in lp["top_logprobs"][1:]] == [
             sorted(t) for t in want["logprobs"]["top_logprobs"][1:]
         ]
