@@ -14,7 +14,7 @@ from typing import TypeVar
 import httpx
 
 from router.config import UpstreamSettings
-from router.upstream import UpstreamClient, UpstreamMetrics, UpstreamUnavailable
+from router.upstream import UpstreamClient, UpstreamError, UpstreamMetrics, UpstreamUnavailable
 
 log = logging.getLogger("specgate.router")
 
@@ -54,6 +54,17 @@ async def first_available(
         except fallback_on as exc:
             last = exc
             if i + 1 < len(attempts):  # the last one's failure is the caller's answer, not a fallback
-                log.warning("route %s failed before the first byte, falling back: %s", label, exc)
+                log.warning("route %s failed before the first byte, falling back: %s", label, _summary(exc))
+                log.debug("route %s failed: %s", label, exc)
     assert last is not None
     raise last
+
+
+def _summary(exc: BaseException) -> str:
+    """A failure as a warning names it: the upstream and the error's code, not its message. An
+    upstream's error text is its own and may quote the request (a 5xx body echoing the prompt), and
+    prompt text reaches logs only where observability.log_content says so; the message is logged
+    at DEBUG."""
+    if isinstance(exc, UpstreamError):
+        return f"upstream '{exc.upstream}': {exc.code}"
+    return type(exc).__name__
