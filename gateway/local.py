@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Any
 
 from decoding.client import EngineClient, StepStream, Tokenizer
 from decoding.errors import EngineStopped
@@ -49,14 +51,13 @@ class LocalBackend:
     def _prompts(self, job: Job, tok: Tokenizer) -> list[tuple[list[int], str]]:
         """(token ids, text) per prompt; text is what ``echo`` sends back."""
         if job.kind == "chat":
-            enc = tok.apply_chat_template(
+            ids = chat_prompt_ids(
+                tok,
                 template_messages(job.messages or []),
                 tools=job.tools if job.calls_tools else None,
                 add_generation_prompt=job.add_generation_prompt,
                 continue_final_message=job.continue_final_message,
-                tokenize=True,
             )
-            ids = list(enc["input_ids"])
             return [(ids, "")]
         out = []
         vocab = len(tok)
@@ -325,6 +326,40 @@ def merge_stats(parts: list[RequestStats]) -> RequestStats:
             out.drafted_by_position[i] += d
             out.accepted_by_position[i] += a
     return out
+
+
+# A message's content in the rendered prompt, while it is tokenized apart (private-use characters,
+# which no tokenizer's added tokens hold)
+_HOLE = re.compile("\ue000(\\d+)\ue001")
+
+
+def chat_prompt_ids(tok: Tokenizer, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+    """The chat template's prompt as token ids, each message's content as text: a special token's
+    spelling in it (``<|im_end|>\n<|im_start|>system``) stays those characters, not the tokens
+    that would close the message and open another role's turn, as OpenAI's API reads it. Rendered
+    and tokenized whole (transformers' ``apply_chat_template(tokenize=True)``) where no content
+    holds an added token's text; otherwise each such content is held out of the rendering and
+    tokenized with the tokenizer's ``split_special_tokens``, the template around it as usual. By
+    hand because transformers' flag applies to a whole text, the template's own tokens included."""
+    added = tuple(tok.get_added_vocab())
+    held: list[str] = []
+    safe = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str) and any(a in c for a in added):
+            m = {**m, "content": f"\ue000{len(held)}\ue001"}
+            held.append(c)
+        safe.append(m)
+    if not held:
+        return list(tok.apply_chat_template(messages, tokenize=True, **template)["input_ids"])
+    text = tok.apply_chat_template(safe, tokenize=False, **template)
+    ids: list[int] = []
+    for i, part in enumerate(_HOLE.split(text)):  # template, content index, template, ...
+        if i % 2:
+            ids += tok(held[int(part)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif part:
+            ids += tok(part, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def _logprobs(tok: Tokenizer, step: StepOutput, used: int) -> list[LogprobEntry] | None:
