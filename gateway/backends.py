@@ -77,6 +77,11 @@ class Job:
     logit_bias: dict[str, float] | None = None  # {"<token id>": bias}
 
     @property
+    def choices(self) -> int:
+        """The choices the response holds: n for each prompt (one engine request each)."""
+        return self.n * (len(self.prompts) if self.prompts is not None else 1)
+
+    @property
     def calls_tools(self) -> bool:
         """Tools may be called (so output text is parsed for calls)."""
         return bool(self.tools) and self.tool_choice != "none"

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-# Declared on requests only to be refused with a 400 naming them (see serving.to_job).
+# Declared on requests only to be refused with a 400 naming them (see jobs.to_job).
 UNSUPPORTED = (
     "functions",
     "function_call",
@@ -204,7 +204,7 @@ class _Sampling(_Request):
     max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     # [0, 1] as OpenAI's schema has it (clients send 0 for "the likeliest token only", which vLLM and
-    # TGI once refused: TGI#2231); 0 is served as the smallest top_p (serving.to_job)
+    # TGI once refused: TGI#2231); 0 is served as the smallest top_p (jobs.to_job)
     top_p: float | None = Field(default=None, ge=0, le=1)
     n: Count = 1
     stop: str | list[str] | None = None
@@ -272,13 +272,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[Int] | list[list[Int]]  # token ids: checked by serving._prompts
-    # 0 with echo only (serving.to_job); 16 when absent or null, as OpenAI's legacy API and vLLM default it
+    prompt: str | list[str] | list[Int] | list[list[Int]]  # token ids: checked by jobs._prompts
+    # 0 with echo only (jobs.to_job); 16 when absent or null, as OpenAI's legacy API and vLLM default it
     max_tokens: EchoCount = 16
     echo: bool = False
     logprobs: LogprobCount | None = None
     suffix: Any = None
-    # best_of = n is served (it selects nothing); best_of > n, a selection, is refused (serving.to_job)
+    # best_of = n is served (it selects nothing); best_of > n, a selection, is refused (jobs.to_job)
     best_of: Count | None = None
     # chat-only, refused by name here (CHAT_ONLY)
     tools: Any = None

@@ -168,7 +168,7 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
     # prompt's chunk none), so the count made from them is corrected either way.
     held: list[Delta] = []
     counted = 0
-    choices = job.n * (len(job.prompts) if job.prompts is not None else 1)
+    choices = job.choices
     calls = _Calls()
     try:
         async for event in stream:

@@ -300,8 +300,8 @@ def test_max_queued_zero_serves_what_a_free_slot_takes() -> None:
     takes is still served: the gateway refused every request with a 400 naming the queue. More
     generations than can run and wait at once are still refused up front."""
     from gateway.errors import APIError
+    from gateway.jobs import to_job
     from gateway.protocol import ChatCompletionRequest
-    from gateway.serving import to_job
 
     s = Settings(limits={"max_queued": 0})  # type: ignore[arg-type]
     one = ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS})

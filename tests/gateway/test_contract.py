@@ -55,8 +55,8 @@ async def test_continue_final_message_continues_an_assistant_prefill_as_vllm_doe
     The extras were dropped as unknown fields, so a prefill was answered as a new turn. A remote
     upstream gets them where set; they split the response cache's key only where set."""
     from gateway.cache.query import output_params
+    from gateway.jobs import to_job
     from gateway.protocol import ChatCompletionRequest
-    from gateway.serving import to_job
 
     engine = ScriptedEngine([token_ids("ok")])
     app = create_app(settings(), engine=engine)  # type: ignore[arg-type]

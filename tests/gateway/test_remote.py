@@ -66,8 +66,8 @@ def test_the_upstream_gets_the_limit_under_the_clients_name_for_it(field: str) -
     """A chat bounded with max_completion_tokens goes upstream with it: OpenAI's reasoning models
     refuse max_tokens ("Use 'max_completion_tokens' instead"), and every request was sent with it.
     One bounded with max_tokens (or not at all) keeps max_tokens, which older servers know."""
+    from gateway.jobs import to_job
     from gateway.protocol import ChatCompletionRequest
-    from gateway.serving import to_job
     from gateway.settings import Settings
 
     req = ChatCompletionRequest.model_validate(
