@@ -21,7 +21,8 @@ from gateway.backends import (
     new_call_id,
 )
 from gateway.errors import APIError
-from router.upstream import UpstreamBadResponse, UpstreamClient, UpstreamError, UpstreamStream
+from router.faults import UpstreamBadResponse, UpstreamError
+from router.upstream import UpstreamClient, UpstreamStream
 
 
 def api_error(exc: UpstreamError) -> APIError:
@@ -111,7 +112,7 @@ class _Calls:
 
     def deltas(self, choice: int, delta: dict[str, Any]) -> list[ToolCallDelta] | None:
         out = []
-        for c in delta.get("tool_calls") or []:  # router.upstream.malformed checked their types
+        for c in delta.get("tool_calls") or []:  # router.faults.malformed checked their types
             fn = c.get("function") or {}
             key = (choice, c.get("index", 0))
             if key in self.ours:

@@ -24,9 +24,9 @@ from gateway.errors import unavailable
 from gateway.remote import RemoteBackend, api_error
 from gateway.settings import Settings
 from router.config import RouterSettings, TierSettings
+from router.faults import UpstreamError, UpstreamUnavailable
 from router.policy import BackendKind, RouteDecision, Router
 from router.pool import UpstreamPool, first_available
-from router.upstream import UpstreamError, UpstreamUnavailable
 
 if TYPE_CHECKING:
     from gateway.observability import Metrics, Observability

@@ -14,7 +14,8 @@ from typing import TypeVar
 import httpx
 
 from router.config import UpstreamSettings
-from router.upstream import UpstreamClient, UpstreamError, UpstreamMetrics, UpstreamUnavailable
+from router.faults import UpstreamError, UpstreamUnavailable
+from router.upstream import UpstreamClient, UpstreamMetrics
 
 log = logging.getLogger("specgate.router")
 

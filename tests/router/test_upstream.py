@@ -13,20 +13,18 @@ import pytest
 
 from router.breaker import BreakerState
 from router.config import UpstreamSettings
-from router.pool import UpstreamPool, first_available
-from router.upstream import (
+from router.faults import (
     CircuitOpen,
-    Rewrite,
-    UpstreamClient,
     UpstreamConnectError,
     UpstreamHTTPError,
     UpstreamRejected,
     UpstreamStreamBroken,
     UpstreamTimeout,
     UpstreamUnavailable,
-    encode_event,
     malformed,
 )
+from router.pool import UpstreamPool, first_available
+from router.upstream import Rewrite, UpstreamClient, encode_event
 from tests.router.conftest import FakeUpstream
 
 BODY: dict[str, Any] = {
