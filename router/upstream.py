@@ -135,8 +135,18 @@ class UpstreamStream:
         self.status_code = resp.status_code
 
     async def _next_event(self) -> dict[str, Any] | None:
-        """The next data event, or None at `[DONE]`. Raises httpx errors untranslated, and
-        `UpstreamBadResponse` for a chunk the gateway cannot read."""
+        """The next data event, or None at `[DONE]`, within `timeout_s`. Raises httpx errors
+        untranslated, `UpstreamBadResponse` for a chunk the gateway cannot read, and `UpstreamTimeout`
+        when no event came in time: httpx's read timeout counts bytes, so an upstream that sent
+        `: ping` comments and nothing else held the client forever."""
+        timeout = self._client.settings.timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._read_event()
+        except TimeoutError:
+            raise UpstreamTimeout(self._client.name, f"no event in {timeout:g} s") from None
+
+    async def _read_event(self) -> dict[str, Any] | None:
         data: list[str] = []
         async for line in self._lines:
             if line.startswith(":"):
@@ -146,14 +156,16 @@ class UpstreamStream:
                     continue
                 payload = "\n".join(data)
                 if payload.strip() == "[DONE]":
-                    return None
+                    return self._done_event()
                 return self._checked(json.loads(payload), payload)
             field, _, value = line.partition(":")
             if field == "data":
                 data.append(value[1:] if value.startswith(" ") else value)
         if data:  # a last event without its blank line
             payload = "\n".join(data)
-            return None if payload.strip() == "[DONE]" else self._checked(json.loads(payload), payload)
+            if payload.strip() == "[DONE]":
+                return self._done_event()
+            return self._checked(json.loads(payload), payload)
         if self._unfinished == set():
             # The body ended cleanly (a cut one raises in httpx) after every choice's finish: some
             # servers never send [DONE], and the SDK reading them directly ends there without an
@@ -164,6 +176,11 @@ class UpstreamStream:
         # each time) is asked once, not 1 + retries times
         kind = self._resp.headers.get("content-type", "no content-type")
         raise UpstreamBadResponse(self._client.name, f"the body ({kind[:64]}) ended without [DONE]")
+
+    def _done_event(self) -> None:
+        if self._unfinished is None:  # it was an empty 200: no answer, yet cached as one
+            raise UpstreamBadResponse(self._client.name, "[DONE] before any choice")
+        return None
 
     def _checked(self, event: Any, payload: str) -> dict[str, Any]:
         if not isinstance(event, dict):

@@ -402,3 +402,66 @@ async def test_a_body_that_is_no_event_stream_is_not_asked_for_again(upstream: R
     finally:
         server.should_exit = True
         await task
+
+
+def pinging(events: list[dict[str, Any]]) -> Action:
+    """A 200 event stream of ``events``, then `: ping` comments every 0.1 s and nothing else, until
+    the gateway closes the connection."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" + CLOSE
+        )
+        pieces = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
+        while True:
+            for piece in pieces or [b": ping\n\n"]:
+                w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await w.drain()
+            pieces = []
+            await asyncio.sleep(0.1)
+
+    return act
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+async def test_keep_alive_comments_alone_time_out(upstream: RawUpstream, stream_: bool) -> None:
+    """An upstream that sends `: ping` and never an event is a 504 `upstream_timeout` after
+    `timeout_s` (before its first event; a route with a fallback falls back), or a stream's error
+    event after it: each comment reset httpx's read timeout, and the client waited forever."""
+    base, server, task = await serve_gateway(upstream, timeout_s=0.5)
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            upstream.actions = [pinging([]), pinging(good_chunks()[:2]), pinging([])]
+            before = await c.post(base + "/chat/completions", json={**CHAT, "stream": stream_})
+            after = await c.post(base + "/chat/completions", json={**CHAT, "stream": stream_})
+            fell_back = await c.post(base + "/chat/completions", json={**CHAT, "model": "auto"})
+    finally:
+        server.should_exit = True
+        await task
+    assert before.status_code == 504, before.text
+    assert before.json()["error"]["code"] == "upstream_timeout"
+    if stream_:
+        events = data_events(after.text)
+        assert after.status_code == 200 and events[-1] == "[DONE]"
+        assert "Hello" in after.text and "no event in 0.5 s" in json.loads(events[-2])["error"]["message"]
+    else:
+        assert after.status_code == 502 and "no event in 0.5 s" in after.json()["error"]["message"]
+    assert fell_back.status_code == 200 and fell_back.headers["x-specgate-route"].startswith("tier=local;")
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+async def test_a_stream_of_only_done_is_no_answer(upstream: RawUpstream, gateway: str, stream_: bool) -> None:
+    """`[DONE]` before any choice (or after a usage chunk alone) is a 502 `upstream_bad_response`,
+    not an empty 200 (for a request not streamed, a message of empty content that was cached)."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}}
+    async with httpx.AsyncClient(timeout=10) as c:
+        upstream.actions = [stream([]), stream([usage])]
+        bare = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+        usage_only = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+    assert bare.status_code == 502, bare.text
+    assert bare.json()["error"]["code"] == "upstream_bad_response"
+    if stream_:  # the usage chunk was an event: the stream had begun
+        assert json.loads(data_events(usage_only.text)[-2])["error"]["code"] == "upstream_stream_broken"
+        assert "[DONE] before any choice" in usage_only.text
+    else:
+        assert usage_only.status_code == 502 and "[DONE] before any choice" in usage_only.text
