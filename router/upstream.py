@@ -156,7 +156,8 @@ class UpstreamStream:
                     continue
                 payload = "\n".join(data)
                 if payload.strip() == "[DONE]":
-                    return self._done_event()
+                    self._check_done()
+                    return None
                 return self._checked(json.loads(payload), payload)
             field, _, value = line.partition(":")
             if field == "data":
@@ -164,7 +165,8 @@ class UpstreamStream:
         if data:  # a last event without its blank line
             payload = "\n".join(data)
             if payload.strip() == "[DONE]":
-                return self._done_event()
+                self._check_done()
+                return None
             return self._checked(json.loads(payload), payload)
         if self._unfinished == set():
             # The body ended cleanly (a cut one raises in httpx) after every choice's finish: some
@@ -177,10 +179,9 @@ class UpstreamStream:
         kind = self._resp.headers.get("content-type", "no content-type")
         raise UpstreamBadResponse(self._client.name, f"the body ({kind[:64]}) ended without [DONE]")
 
-    def _done_event(self) -> None:
+    def _check_done(self) -> None:
         if self._unfinished is None:  # it was an empty 200: no answer, yet cached as one
             raise UpstreamBadResponse(self._client.name, "[DONE] before any choice")
-        return None
 
     def _checked(self, event: Any, payload: str) -> dict[str, Any]:
         if not isinstance(event, dict):
