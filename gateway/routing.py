@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from decoding.errors import EngineOverloaded, EngineStopped
+from decoding.errors import EngineOverloaded, EngineStopped, UnknownModel
 from gateway.backends import Backend, Generation, Job
 from gateway.errors import unavailable
 from gateway.remote import RemoteBackend, api_error
@@ -102,6 +102,11 @@ class RoutingService:
         return dataclasses.replace(job, model=d.model, spec=d.spec_params(job.spec))
 
     async def route(self, job: Job, local: Backend | None) -> Route:
+        served = self.router.names()
+        if local is not None and job.model not in served and job.model not in local.model_ids():
+            # here, not in the engine, whose 404 listed its own models and left out `auto` and
+            # the upstreams' models, which /v1/models lists
+            raise UnknownModel(job.model, sorted({*local.model_ids(), *served}))
         messages = job.messages if job.kind == "chat" else None
         prompt = None if job.kind == "chat" else " ".join(p for p in job.prompts or [] if isinstance(p, str))
         d = self.router.route(

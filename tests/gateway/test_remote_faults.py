@@ -465,3 +465,14 @@ async def test_a_stream_of_only_done_is_no_answer(upstream: RawUpstream, gateway
         assert "[DONE] before any choice" in usage_only.text
     else:
         assert usage_only.status_code == 502 and "[DONE] before any choice" in usage_only.text
+
+
+async def test_an_unknown_models_404_lists_what_the_router_serves(gateway: str) -> None:
+    """The 404 names every model /v1/models lists: it listed the local engine's alone, not `auto`
+    or the upstreams' models, which are served too."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "model": "gpt-9"})
+        listed = {m["id"] for m in (await c.get(gateway + "/models")).json()["data"]}
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert listed == {"auto", "fake", "up-model"}
+    assert r.json()["error"]["message"].endswith("Available: " + ", ".join(sorted(listed)))
