@@ -34,7 +34,9 @@ class UpstreamSettings(BaseModel):
     base_url: str  # up to and including the version prefix, e.g. http://host:8000/v1
     model: str  # the model name the upstream knows
     api_key_env: str | None = None  # environment variable holding the upstream's API key
-    timeout_s: float = Field(default=60.0, gt=0)  # read timeout between bytes; connecting gets min(5, this)
+    # the longest wait for the next byte and for the next event (`: ping` comments alone do not reset
+    # it): 504 `upstream_timeout` before the first event, an error event after; connecting: min(5, this)
+    timeout_s: float = Field(default=60.0, gt=0)
     retries: int = Field(
         default=2, ge=0, le=10
     )  # extra attempts on connect errors, 429 and 5xx, never on 4xx
