@@ -2,7 +2,9 @@
 section of docs/benchmarks.md (and its plot).
 
   - on a CUDA machine: the GPU fast path and speculation at controlled acceptance (``bench.gpu``),
-    real architectures at real sizes with random weights;
+    then the batched engine at N = 1..64 concurrent requests against transformers' static batched
+    generate (``bench.gpu_batch``, rendered with its plot), real architectures at real sizes with
+    random weights;
   - wherever the real pair is in the model store (``make models`` pulls it): the CPU engine benchmark
     on the real pair (``bench.cpu_engine``) the draft-confidence sweep (``bench.cpu_confidence``) and the batched engine
     (``bench.cpu_batch``);
@@ -23,7 +25,7 @@ from decoding import store
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="GPU: fewer tokens and k values")
+    ap.add_argument("--quick", action="store_true", help="GPU: fewer tokens, k values and N")
     args = ap.parse_args()
     ran = []
     if torch.cuda.is_available():
@@ -31,6 +33,13 @@ def main() -> None:
 
         gpu.main(["--quick"] if args.quick else [])
         ran.append("gpu")
+        from bench import gpu_batch
+        from bench.report_gpu_batch import render
+
+        out = "bench/results_gpu_batch.json"
+        gpu_batch.main(["--out", out, *(["--quick"] if args.quick else [])])
+        render(out)
+        ran.append("gpu-batch")
     if all(store.is_cached(a) for a in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")):
         from bench import cpu_engine
 
