@@ -11,6 +11,7 @@ Exceptions (every httpx exception is translated in `router.upstream._translated`
     │   ├── UpstreamHTTPError     429 or 5xx                                      retried (a short Retry-After)
     │   ├── UpstreamBadResponse   not OpenAI's SSE, JSON or chunks                not retried
     │   ├── UpstreamErrorEvent    a stream whose first event is an error object   not retried
+    │   ├── UpstreamRefusedUs     401, 403, 404: the gateway's key, model or URL  not retried
     │   └── CircuitOpen           the breaker refused the call                    not retried
     ├── UpstreamRejected          any other 4xx: the request's fault, passed on verbatim, never retried
     └── UpstreamStreamBroken      the stream died after its first event
@@ -104,6 +105,27 @@ class UpstreamErrorEvent(UpstreamUnavailable):
 
     def error_body(self) -> dict[str, Any]:
         return self.body  # the upstream's message, type and code
+
+
+class UpstreamRefusedUs(UpstreamUnavailable):
+    """A 401, 403 or 404 from the upstream: it refused the gateway (the key of `api_key_env`, the
+    configured `model` or `base_url`), not the client's request, which names neither. Passed on
+    verbatim, a client with a good key (or none needed) got the SDK's AuthenticationError for
+    the gateway's key, and one asking for `auto` a 404 for a model it never named, with no
+    fallback. A 502, and the route falls back. Not counted against the breaker: a 404 can be one
+    endpoint's (a chat-only API's /completions), and the other requests still get through."""
+
+    status = 502
+    code = "upstream_refused_gateway"
+    breaker_failure = False
+    outcome = "http_4xx"
+
+    def __init__(self, upstream: str, upstream_status: int, message: str):
+        super().__init__(upstream, f"HTTP {upstream_status}: {message}")
+        self.upstream_status = upstream_status
+
+
+REFUSED_US = (401, 403, 404)  # what the upstream answers the gateway's own settings with
 
 
 class CircuitOpen(UpstreamUnavailable):

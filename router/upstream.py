@@ -31,12 +31,14 @@ import httpx
 from router.breaker import CircuitBreaker
 from router.config import UpstreamSettings
 from router.faults import (
+    REFUSED_US,
     CircuitOpen,
     UpstreamBadResponse,
     UpstreamConnectError,
     UpstreamError,
     UpstreamErrorEvent,
     UpstreamHTTPError,
+    UpstreamRefusedUs,
     UpstreamRejected,
     UpstreamStreamBroken,
     UpstreamTimeout,
@@ -288,6 +290,9 @@ class UpstreamClient:
         if resp.status_code == 429 or resp.status_code >= 500:
             message = normalise_error(payload, resp.status_code)["error"]["message"]
             return UpstreamHTTPError(self.name, resp.status_code, message, _retry_after(resp))
+        if resp.status_code in REFUSED_US:
+            message = normalise_error(payload, resp.status_code)["error"]["message"]
+            return UpstreamRefusedUs(self.name, resp.status_code, message)
         return UpstreamRejected(self.name, resp.status_code, normalise_error(payload, resp.status_code))
 
     def _too_long(self, exc: UpstreamError) -> bool:

@@ -476,3 +476,34 @@ async def test_an_unknown_models_404_lists_what_the_router_serves(gateway: str) 
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert listed == {"auto", "fake", "up-model"}
     assert r.json()["error"]["message"].endswith("Available: " + ", ".join(sorted(listed)))
+
+
+REFUSALS = {
+    401: b'{"error": {"message": "Incorrect API key provided.", "type": "authentication_error", '
+    b'"code": "invalid_api_key"}}',
+    403: b'{"error": {"message": "Project lacks access", "type": "permission_error"}}',
+    404: b'{"error": {"message": "The model \'up-model\' does not exist.", "type": "invalid_request_error", '
+    b'"param": "model", "code": "model_not_found"}}',
+}
+
+
+@pytest.mark.parametrize("code", REFUSALS)
+async def test_an_upstream_refusing_the_gateway_is_no_client_error(
+    upstream: RawUpstream, gateway: str, code: int
+) -> None:
+    """401, 403 and 404 answer the gateway's settings (its key, model, base_url), not the client's
+    request. Passed on, a client with a good key got the SDK's AuthenticationError ("Incorrect API
+    key") and a client asking for `auto` a 404 for a model it never named, with no fallback: a real
+    second gateway requiring keys answered so. Now a 502 naming the upstream, and `auto` falls back."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        upstream.actions = [status(code, REFUSALS[code])]
+        r = await c.post(gateway + "/chat/completions", json=CHAT)
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "upstream_refused_gateway"
+        assert err["param"] is None and f"upstream 'u': HTTP {code}" in err["message"]
+        for stream_ in (False, True):
+            upstream.actions = [status(code, REFUSALS[code])]
+            r = await c.post(gateway + "/chat/completions", json={**CHAT, "model": "auto", "stream": stream_})
+            assert r.status_code == 200 and r.headers["x-specgate-route"].startswith("tier=local;")
+            assert "local answer" in r.text
