@@ -11,7 +11,7 @@ from typing import Any
 from decoding.params import SpecMode, SpecParams
 from gateway.backends import Job
 from gateway.errors import bad_request
-from gateway.protocol import CHAT_ONLY, UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from gateway.protocol import CHAT_ONLY, UNSUPPORTED, VLLM_INSTEAD, ChatCompletionRequest, CompletionRequest
 from gateway.settings import Settings
 
 # top_p 0 as OpenAI serves it, the nucleus of the likeliest token alone: the smallest positive float
@@ -41,9 +41,14 @@ def to_job(
     selects = best_of is not None and best_of != req.n
     for name in refused:
         value = getattr(req, name, None)
-        # an empty suffix is none (clients of fill-in-the-middle send one)
-        if value is not None and (name != "best_of" or selects) and not (name == "suffix" and value == ""):
-            raise bad_request(f"The parameter '{name}' is not supported by this server.", param=name)
+        # an empty value is none (fill-in-the-middle clients send suffix "", vLLM's clients
+        # stop_token_ids [] or use_beam_search false); an object is set even empty ({} asks for
+        # any JSON, or OpenAI's default web search)
+        if value is None or value is False or value == "" or value == []:
+            continue
+        if name != "best_of" or selects:
+            instead = f" Use {VLLM_INSTEAD[name]} instead." if name in VLLM_INSTEAD else ""
+            raise bad_request(f"The parameter '{name}' is not supported by this server.{instead}", param=name)
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM refuse it
         raise bad_request(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"

@@ -30,7 +30,34 @@ UNSUPPORTED = (
     "web_search_options",
     "suffix",
     "best_of",
+    *(
+        # vLLM's extra body fields that shape the output and that this server does not implement:
+        # a vLLM client's guided_json ignored would come back as unconstrained text, so each is
+        # refused when set (not null, false or empty), with what to send instead (VLLM_INSTEAD)
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "stop_token_ids",
+        "bad_words",
+        "allowed_token_ids",
+        "include_stop_str_in_output",
+        "prompt_logprobs",
+        "use_beam_search",
+        "truncate_prompt_tokens",
+    ),
 )
+_FORMAT = "response_format (json_schema) or tools"
+VLLM_INSTEAD = {
+    "guided_json": "response_format: {type: json_schema}",
+    "guided_regex": _FORMAT,
+    "guided_choice": _FORMAT,
+    "guided_grammar": _FORMAT,
+    "structured_outputs": _FORMAT,
+    "stop_token_ids": "stop (strings)",
+    "prompt_logprobs": "echo with logprobs on /v1/completions",
+}
 # Chat-only parameters, refused by name on legacy completions.
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "prediction")
 
@@ -234,6 +261,18 @@ class _Sampling(_Request):
     audio: Any = None
     modalities: Any = None
     web_search_options: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    stop_token_ids: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
 
     @property
     def stops(self) -> list[str]:

@@ -290,6 +290,46 @@ def test_unknown_fields_are_ignored(server: Server, headers: dict[str, str]) -> 
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"usage":{' not in r.text
 
 
+# vLLM's extra body fields that would shape the output, set as a vLLM client sets them
+VLLM_SET = {
+    "guided_json": {"type": "object"},
+    "guided_regex": "[ab]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
+    "structured_outputs": {"choice": ["yes", "no"]},
+    "stop_token_ids": [3],
+    "bad_words": ["a"],
+    "allowed_token_ids": [3, 4],
+    "include_stop_str_in_output": True,
+    "prompt_logprobs": 0,
+    "use_beam_search": True,
+    "truncate_prompt_tokens": 4,
+}
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_vllm_output_extras_are_refused_not_ignored(
+    server: Server, headers: dict[str, str], path: str
+) -> None:
+    """A vLLM client's guided_json (or stop_token_ids ...) dropped as an unknown field would come back
+    as unconstrained output with a 200: each is a 400 naming it, saying what to send instead; left
+    out, null, false or empty they are no-ops and served."""
+    base = ok_chat() if path == "/chat/completions" else {"model": "tiny", "prompt": "a", "max_tokens": 2}
+    for name, value in VLLM_SET.items():
+        r = httpx.post(server.base_url + path, json={**base, name: value}, headers=headers, timeout=30)
+        err = assert_error(r, 400, name)
+        assert "not supported" in err["message"]
+    err = assert_error(
+        httpx.post(server.base_url + path, json={**base, "guided_json": {}}, headers=headers, timeout=30), 400
+    )
+    assert "response_format" in err["message"]
+    unset = {
+        name: ([] if isinstance(v, list) else False if v is True else None) for name, v in VLLM_SET.items()
+    }
+    r = httpx.post(server.base_url + path, json={**base, **unset}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_stream_options_need_a_stream(server: Server, headers: dict[str, str]) -> None:
     """OpenAI (and vLLM) refuse stream_options on a request that does not stream."""
     for stream in (False, None):
