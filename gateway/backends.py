@@ -21,6 +21,7 @@ from decoding.params import SpecParams
 # vLLM's sampling and chat template extras a Job carries (a remote upstream gets those a client set:
 # Job.vllm_extras)
 VLLM_EXTRAS = (
+    "top_k",
     "min_tokens",
     "ignore_eos",
     "min_p",

@@ -88,3 +88,19 @@ def test_vllms_extras_go_upstream_only_where_the_client_set_them() -> None:
         "min_tokens": 4,
         "repetition_penalty": 1.1,
     }
+
+
+def test_top_k_goes_upstream_where_the_client_set_it() -> None:
+    """top_k, which the README lists with vLLM's extras passed on when set, was never sent: a
+    gateway in front of a second specgate sampled without it, and the same seeded request gave
+    other tokens through the gateway than from the upstream directly."""
+    from gateway.jobs import to_job
+    from gateway.protocol import ChatCompletionRequest, CompletionRequest
+    from gateway.settings import Settings
+
+    msgs = [{"role": "user", "content": "x"}]
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "top_k": 3, "seed": 9})
+    cmpl = CompletionRequest.model_validate({"model": "m", "prompt": "x", "top_k": 3})
+    for req in (chat, cmpl):
+        assert _body(to_job(req, "r", "anonymous", Settings()))["top_k"] == 3
+    assert "top_k" not in _body(Job(request_id="r", kind="chat", model="m", messages=msgs))
