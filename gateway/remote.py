@@ -99,6 +99,19 @@ def _completion_logprobs(choice: dict[str, Any]) -> tuple[list[LogprobEntry] | N
     return entries, None if first is None else PromptLogprobs(first, [])
 
 
+def _prediction_tokens(usage: dict[str, Any]) -> tuple[int, int] | None:
+    """The upstream's Predicted Outputs counts (usage.completion_tokens_details), or None: without
+    them a remote answer to a request with `prediction` reported 0 accepted and 0 rejected tokens
+    whatever the upstream said."""
+    details = usage.get("completion_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    accepted, rejected = details.get("accepted_prediction_tokens"), details.get("rejected_prediction_tokens")
+    if isinstance(accepted, int) and isinstance(rejected, int) and min(accepted, rejected) >= 0:
+        return accepted, rejected
+    return None
+
+
 class _Calls:
     """An upstream's streamed tool_calls as ours (same ids and fragments). A call opens the first time
     its index shows up in its choice, and indexes are renumbered in that order: servers differ (some
@@ -185,6 +198,7 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                 if held and isinstance(reported, int):
                     held[-1].completion_tokens += reported - counted
                     counted = reported
+                gen.prediction_tokens = _prediction_tokens(usage) or gen.prediction_tokens
             for choice in event.get("choices") or []:
                 if choice.get("index", 0) >= choices:  # the formatter keeps one slot per choice asked for
                     raise UpstreamBadResponse(

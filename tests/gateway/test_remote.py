@@ -104,3 +104,25 @@ def test_top_k_goes_upstream_where_the_client_set_it() -> None:
     for req in (chat, cmpl):
         assert _body(to_job(req, "r", "anonymous", Settings()))["top_k"] == 3
     assert "top_k" not in _body(Job(request_id="r", kind="chat", model="m", messages=msgs))
+
+
+async def test_the_upstreams_prediction_counts_are_kept() -> None:
+    """With Predicted Outputs the upstream's usage counts accepted and rejected prediction tokens;
+    through the gateway they were always 0 and 0 (a real second specgate said 15 rejected)."""
+    from gateway.formatting import ChatFormat
+
+    job = Job(request_id="r", kind="chat", model="m", messages=[{"role": "user", "content": "x"}],
+              prediction="The sea is wide")  # fmt: skip
+    usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "completion_tokens_details": {
+        "accepted_prediction_tokens": 1, "rejected_prediction_tokens": 15}}  # fmt: skip
+    events = [
+        {"choices": [{"index": 0, "delta": {"content": "The"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+        {"choices": [], "usage": usage},
+    ]
+    gen, deltas = await read(job, events)
+    fmt = ChatFormat("m", False, 1, prediction=True)
+    for d in deltas:
+        fmt.fold(d)
+    details = fmt.whole(gen)["usage"]["completion_tokens_details"]
+    assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (1, 15)
