@@ -56,6 +56,8 @@ def grammar_text(spec: GrammarSpec) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)  # type: ignore[arg-type]
         except ValueError as exc:
             raise InvalidParameter(f"Invalid JSON schema: {exc}", param) from exc
+    if spec.kind == "regex":  # a bad one is reported by the matcher, as a bad Lark grammar is
+        return llguidance.LLMatcher.grammar_from_regex(spec.text)
     return llguidance.LLMatcher.grammar_from_lark(spec.text)
 
 

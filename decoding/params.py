@@ -102,16 +102,17 @@ class GrammarSpec:
     """A constraint on the output, compiled by the grammar engine (decoding/grammar.py, llguidance).
 
     ``kind`` "json_schema": ``text`` is a JSON schema (serialised); "lark": ``text`` is an llguidance
-    Lark grammar (it may embed schemas with ``%json{...}``, as tool calls do).
+    Lark grammar (it may embed schemas with ``%json{...}``, as tool calls do); "regex": the whole
+    output matches ``text`` (vLLM's guided_regex).
     """
 
-    kind: str  # "json_schema" | "lark"
+    kind: str  # "json_schema" | "lark" | "regex"
     text: str
     param: str = "response_format"  # the request parameter a compile error names ("tools" for tools)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_schema", "lark"):
-            raise ValueError(f"grammar kind must be 'json_schema' or 'lark', got {self.kind!r}")
+        if self.kind not in ("json_schema", "lark", "regex"):
+            raise ValueError(f"grammar kind must be 'json_schema', 'lark' or 'regex', got {self.kind!r}")
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ class Job:
     response_format: dict[str, Any] | None = None
     prediction: str | None = None  # the predicted content, as text
     logit_bias: dict[str, float] | None = None  # {"<token id>": bias}
+    # vLLM's guided decoding, {name: value} as the client sent it (jobs._guided; chat and completions)
+    guided: dict[str, Any] | None = None
 
     @property
     def choices(self) -> int:

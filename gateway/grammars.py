@@ -85,6 +85,29 @@ def grammar_for(
     return GrammarSpec("json_schema", json.dumps(schema))
 
 
+def guided_grammar(guided: dict[str, Any]) -> GrammarSpec:
+    """The grammar of vLLM's guided decoding (``Job.guided``, its types checked by jobs._guided):
+    guided_json a JSON schema, guided_regex the whole output, guided_choice one of the strings,
+    guided_grammar a Lark grammar (llguidance's dialect, as vLLM's guidance backend takes it), or
+    structured_outputs holding one of them."""
+    ((name, value),) = guided.items()
+    key, param = name.removeprefix("guided_"), name
+    if name == "structured_outputs":
+        ((key, value),) = ((k, v) for k, v in value.items() if v is not None and v is not False)
+        param = f"{name}.{key}"
+    if key == "json":
+        return GrammarSpec("json_schema", value if isinstance(value, str) else json.dumps(value), param)
+    if key == "json_object":
+        return GrammarSpec("json_schema", '{"type": "object"}', param)
+    if key == "regex":
+        return GrammarSpec("regex", value, param)
+    if key == "choice":  # Lark strings take JSON's escapes
+        return GrammarSpec(
+            "lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value), param
+        )
+    return GrammarSpec("lark", value, param)
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates expect them: content "" for none, tool-call arguments as
     objects (templates write them with ``tojson``)."""

@@ -6,12 +6,20 @@ gateway/serving.py's.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from decoding.params import SpecMode, SpecParams
 from gateway.backends import Job
 from gateway.errors import bad_request
-from gateway.protocol import CHAT_ONLY, UNSUPPORTED, VLLM_INSTEAD, ChatCompletionRequest, CompletionRequest
+from gateway.protocol import (
+    CHAT_ONLY,
+    GUIDED,
+    UNSUPPORTED,
+    VLLM_INSTEAD,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from gateway.settings import Settings
 
 # top_p 0 as OpenAI serves it, the nucleus of the likeliest token alone: the smallest positive float
@@ -107,6 +115,7 @@ def to_job(
         tenant=tenant,
         user=req.user,
         logit_bias=_logit_bias(req.logit_bias),
+        guided=_guided(req),
     )
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
@@ -167,6 +176,58 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _guided(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
+    """vLLM's guided decoding as the client sent it, ``{name: value}``, its types checked (the
+    grammar engine checks the rest), or None. vLLM's own rules: one kind at a time, and none beside
+    response_format or tools."""
+    # empty is none, as for the refused extras (to_job)
+    given = {name: getattr(req, name) for name in GUIDED if getattr(req, name) not in (None, "", [])}
+    if not given:
+        return None
+    name = next(iter(given))
+    if len(given) > 1:
+        raise bad_request(f"Only one kind of guided decoding may be given, got {sorted(given)}.", param=name)
+    fmt = getattr(req, "response_format", None)
+    if (fmt is not None and fmt.type != "text") or (
+        getattr(req, "tools", None) and req.tool_choice != "none"
+    ):
+        other = "response_format" if fmt is not None and fmt.type != "text" else "tools"
+        raise bad_request(f"'{name}' cannot be combined with '{other}'.", param=name)
+    value = given[name]
+    if name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise bad_request("structured_outputs must be an object.", param=name)
+        kinds = {k: v for k, v in value.items() if v is not None and v is not False}
+        unknown = sorted(set(kinds) - set(_STRUCTURED_KEYS))
+        if unknown or len(kinds) != 1:
+            raise bad_request(
+                f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KEYS)}"
+                + (f"; '{unknown[0][:64]}' is not supported by this server." if unknown else "."),
+                param=name,
+            )
+        (key, inner), param = next(iter(kinds.items())), f"{name}.{next(iter(kinds))}"
+    else:
+        key, inner, param = name.removeprefix("guided_"), value, name
+    if key == "json":
+        if isinstance(inner, str):
+            try:
+                inner = json.loads(inner)
+            except ValueError:
+                raise bad_request("The JSON schema is not valid JSON.", param=param) from None
+        if not isinstance(inner, dict) or not _schema_ok(inner):
+            raise bad_request("The JSON schema must be an object whose types are JSON types.", param=param)
+    elif key in ("regex", "grammar") and (not isinstance(inner, str) or not inner):
+        raise bad_request(f"'{param}' must be a non-empty string.", param=param)
+    elif key == "choice" and (
+        not isinstance(inner, list) or not inner or not all(isinstance(c, str) and c for c in inner)
+    ):
+        raise bad_request(f"'{param}' must be a non-empty list of non-empty strings.", param=param)
+    return {name: value}
 
 
 def _structured(req: ChatCompletionRequest) -> dict[str, Any]:

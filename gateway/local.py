@@ -32,7 +32,7 @@ from decoding.params import (
 from gateway.backends import Delta, Generation, Job, LogprobEntry, PromptLogprobs
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher, token_texts
 from gateway.errors import bad_request
-from gateway.grammars import grammar_for, template_messages
+from gateway.grammars import grammar_for, guided_grammar, template_messages
 from gateway.tools import ToolCallParser
 
 _DONE = object()  # a pump finished its choice
@@ -78,8 +78,12 @@ class LocalBackend:
     def _requests(self, job: Job, prompts: list[tuple[list[int], str]]) -> list[GenerationRequest]:
         context = self.engine.max_context(job.model)
         bias = tuple((int(t), b) for t, b in (job.logit_bias or {}).items())
-        grammar = grammar_for(
-            job.response_format, job.tools, job.tool_choice, job.parallel_tool_calls is not False
+        grammar = (
+            guided_grammar(job.guided)
+            if job.guided is not None
+            else grammar_for(
+                job.response_format, job.tools, job.tool_choice, job.parallel_tool_calls is not False
+            )
         )
         prediction = None
         if job.prediction is not None:

@@ -32,13 +32,10 @@ UNSUPPORTED = (
     "best_of",
     *(
         # vLLM's extra body fields that shape the output and that this server does not implement:
-        # a vLLM client's guided_json ignored would come back as unconstrained text, so each is
-        # refused when set (not null, false or empty), with what to send instead (VLLM_INSTEAD)
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
+        # one ignored would come back as an output it does not shape, so each is refused when set
+        # (not null, false or empty), with what to send instead (VLLM_INSTEAD). Its guided decoding
+        # (guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs) is served:
+        # GUIDED
         "stop_token_ids",
         "bad_words",
         "allowed_token_ids",
@@ -48,16 +45,13 @@ UNSUPPORTED = (
         "truncate_prompt_tokens",
     ),
 )
-_FORMAT = "response_format (json_schema) or tools"
 VLLM_INSTEAD = {
-    "guided_json": "response_format: {type: json_schema}",
-    "guided_regex": _FORMAT,
-    "guided_choice": _FORMAT,
-    "guided_grammar": _FORMAT,
-    "structured_outputs": _FORMAT,
     "stop_token_ids": "stop (strings)",
     "prompt_logprobs": "echo with logprobs on /v1/completions",
 }
+# vLLM's guided decoding, on chat and legacy completions: one of them at a time, and not beside
+# response_format or tools (jobs._guided)
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 # Chat-only parameters, refused by name on legacy completions.
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "prediction")
 

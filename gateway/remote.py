@@ -43,7 +43,7 @@ def _body(job: Job) -> dict[str, Any]:
         body["stop"] = list(job.stops)
     # vLLM's extras, only where the client set them: an upstream that does not know them may refuse
     # them, which the client then sees, rather than have them silently dropped
-    body |= job.vllm_extras()
+    body |= job.vllm_extras() | (job.guided or {})
     if job.user is not None:
         body["user"] = job.user
     if job.logit_bias:

@@ -291,12 +291,7 @@ def test_unknown_fields_are_ignored(server: Server, headers: dict[str, str]) -> 
 
 
 # vLLM's extra body fields that would shape the output, set as a vLLM client sets them
-VLLM_SET = {
-    "guided_json": {"type": "object"},
-    "guided_regex": "[ab]+",
-    "guided_choice": ["yes", "no"],
-    "guided_grammar": 'root ::= "a"',
-    "structured_outputs": {"choice": ["yes", "no"]},
+VLLM_SET = {  # its guided decoding is served (tests/gateway/test_structured.py)
     "stop_token_ids": [3],
     "bad_words": ["a"],
     "allowed_token_ids": [3, 4],
@@ -311,18 +306,14 @@ VLLM_SET = {
 def test_vllm_output_extras_are_refused_not_ignored(
     server: Server, headers: dict[str, str], path: str
 ) -> None:
-    """A vLLM client's guided_json (or stop_token_ids ...) dropped as an unknown field would come back
-    as unconstrained output with a 200: each is a 400 naming it, saying what to send instead; left
-    out, null, false or empty they are no-ops and served."""
+    """A vLLM client's stop_token_ids (or bad_words ...) dropped as an unknown field would come back
+    as unshaped output with a 200: each is a 400 naming it, saying what to send instead; left out,
+    null, false or empty they are no-ops and served."""
     base = ok_chat() if path == "/chat/completions" else {"model": "tiny", "prompt": "a", "max_tokens": 2}
     for name, value in VLLM_SET.items():
         r = httpx.post(server.base_url + path, json={**base, name: value}, headers=headers, timeout=30)
         err = assert_error(r, 400, name)
         assert "not supported" in err["message"]
-    err = assert_error(
-        httpx.post(server.base_url + path, json={**base, "guided_json": {}}, headers=headers, timeout=30), 400
-    )
-    assert "response_format" in err["message"]
     unset = {
         name: ([] if isinstance(v, list) else False if v is True else None) for name, v in VLLM_SET.items()
     }

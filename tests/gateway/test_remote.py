@@ -126,3 +126,21 @@ async def test_the_upstreams_prediction_counts_are_kept() -> None:
         fmt.fold(d)
     details = fmt.whole(gen)["usage"]["completion_tokens_details"]
     assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (1, 15)
+
+
+def test_vllms_guided_decoding_goes_upstream_as_the_client_sent_it() -> None:
+    """guided_* and structured_outputs reach a remote upstream under the client's name and value
+    (a vLLM there serves them), and nothing is sent where the client set none."""
+    from gateway.jobs import to_job
+    from gateway.protocol import ChatCompletionRequest, CompletionRequest
+    from gateway.settings import Settings
+
+    msgs = [{"role": "user", "content": "x"}]
+    for guided in ({"guided_choice": ["a", "b"]}, {"structured_outputs": {"json": {"type": "object"}}}):
+        chat = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, **guided})
+        cmpl = CompletionRequest.model_validate({"model": "m", "prompt": "x", **guided})
+        for req in (chat, cmpl):
+            body = _body(to_job(req, "r", "anonymous", Settings()))
+            assert {k: body[k] for k in guided} == guided
+    plain = _body(to_job(ChatCompletionRequest(model="m", messages=msgs), "r", "anonymous", Settings()))
+    assert not {k for k in plain if k.startswith("guided") or k == "structured_outputs"}

@@ -323,3 +323,71 @@ def test_langchain_bind_tools_and_with_structured_output(server) -> None:
     assert isinstance(pet, Pet)
     pet2 = llm.with_structured_output(Pet, method="function_calling", strict=True).invoke("A pet, please.")
     assert isinstance(pet2, Pet)
+
+
+GUIDED_CHOICES = ["yes", 'no "way"', "maybe\nlater", "ça va"]  # quotes, a newline, non-ASCII
+
+
+def _guided_body(path: str, mode: str, **guided: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_tokens": 40, **spec(mode), **guided}
+    if path == "/chat/completions":
+        return {**base, "messages": USER}
+    return {**base, "prompt": "Answer: "}
+
+
+def _text(r: httpx.Response, path: str) -> str:
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    return choice["message"]["content"] if path == "/chat/completions" else choice["text"]
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_vllms_guided_decoding_constrains_the_output(server, path) -> None:
+    """vLLM's guided_choice, guided_regex, guided_json (an object or its JSON text), guided_grammar
+    (Lark) and structured_outputs shape the output on both endpoints, the same with speculation as
+    without. They were dropped as unknown fields (an unconstrained 200), then refused."""
+    import re
+
+    schema = SCHEMAS[1]
+    cases: list[tuple[dict[str, Any], Any]] = [
+        ({"guided_choice": GUIDED_CHOICES}, lambda t: t in GUIDED_CHOICES),
+        ({"structured_outputs": {"choice": GUIDED_CHOICES}}, lambda t: t in GUIDED_CHOICES),
+        ({"guided_regex": r"[a-c]{2,5}-[0-9]+/x"}, lambda t: re.fullmatch(r"[a-c]{2,5}-[0-9]+/x", t)),
+        ({"structured_outputs": {"regex": "(ab|cd)+"}}, lambda t: re.fullmatch("(ab|cd)+", t)),
+        ({"guided_json": schema}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+        ({"guided_json": json.dumps(schema)}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+        ({"guided_grammar": 'start: "x" ("," "y")*'}, lambda t: re.fullmatch("x(,y)*", t)),
+    ]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as c:
+        for guided, ok in cases:
+            off = _text(c.post(path, json=_guided_body(path, "off", **guided)), path)
+            assert ok(off), (guided, off)
+            assert _text(c.post(path, json=_guided_body(path, "draft", **guided)), path) == off, guided
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),  # the first in vLLM's order
+        ({"guided_choice": "a"}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_regex": "(("}, "guided_regex"),
+        ({"guided_grammar": 'root ::= "a"'}, "guided_grammar"),  # GBNF: the grammar is Lark here
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+        ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
+        ({"guided_regex": "a", "tools": [WEATHER]}, "guided_regex"),
+    ],
+)  # fmt: skip
+def test_bad_guided_decoding_is_a_400_naming_it(server, extra, param) -> None:
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4, **extra}
+    r = httpx.post(
+        server.base_url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
