@@ -103,7 +103,9 @@ class RoutingService:
 
     async def route(self, job: Job, local: Backend | None) -> Route:
         served = self.router.names()
-        if local is not None and job.model not in served and job.model not in local.model_ids():
+        # an upstream's configured name is served too (the router's explicit route), unlisted
+        known = served | set(self.router.upstreams) | set(local.model_ids() if local is not None else ())
+        if local is not None and job.model not in known:
             # here, not in the engine, whose 404 listed its own models and left out `auto` and
             # the upstreams' models, which /v1/models lists
             raise UnknownModel(job.model, sorted({*local.model_ids(), *served}))

@@ -507,3 +507,11 @@ async def test_an_upstream_refusing_the_gateway_is_no_client_error(
             r = await c.post(gateway + "/chat/completions", json={**CHAT, "model": "auto", "stream": stream_})
             assert r.status_code == 200 and r.headers["x-specgate-route"].startswith("tier=local;")
             assert "local answer" in r.text
+
+
+async def test_an_upstream_is_served_by_its_name_too(upstream: RawUpstream, gateway: str) -> None:
+    """`model: "u"` (the upstream's configured name, the router's explicit route) reaches it: the
+    404 check for unknown models took it for one (tests/gateway/test_drain.py names upstreams so)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "model": "u"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello"
