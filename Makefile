@@ -2,8 +2,8 @@
 #   make serve   set up, pull + verify the default models, serve on 127.0.0.1:8000 (on a CPU with the
 #                llamacpp extra, which `make install` builds where it can: llama.cpp on the GGUFs)
 #   make test    set up, pull the models for the slow tests, start redis if needed, run every test
-#   make bench   set up and run every benchmark this machine can: the GPU fast path where CUDA is,
-#                the CPU engine benchmark on the real pair (bench/__main__.py)
+#   make bench   set up and run every benchmark this machine can: the GPU fast path and the batched
+#                engine where CUDA is, the CPU engine benchmarks on the real pair (bench/__main__.py)
 
 PYTHON     ?= python3
 VENV       ?= .venv
