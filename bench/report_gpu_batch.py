@@ -133,7 +133,14 @@ def render(path: str) -> None:
         "so that a bf16 tie does not leave the drafts proposing a continuation the target no longer follows; its "
         "identity is still judged against fast `off`. "
         + (
-            f"Each engine mode: the median of {R['repeats']} timed runs at each N (every run's outputs checked"
+            f"Each engine mode: the median of {R['repeats']} timed runs at each N"
+            + (
+                f" ({R['small_repeats']} at N <= {R['small_n']}, where one draw moves a run by up to 14% and the "
+                "auto goal's margin is ~2%)"
+                if R.get("small_repeats", R["repeats"]) > R["repeats"]
+                else ""
+            )
+            + " (every run's outputs checked"
             + (
                 "; each speculative run on a replay draw of its own, the same for on, auto and auto fast). "
                 if R.get("draws")
