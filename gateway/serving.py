@@ -38,6 +38,7 @@ from gateway.observability import note_completion, note_usage, observe_job
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import RoutingService
 from gateway.settings import Settings
+from router.faults import UpstreamUnavailable
 
 T = TypeVar("T")
 
@@ -122,7 +123,13 @@ async def _serve(
                 cached = None
     except Exception as exc:
         error = to_api_error(exc, prompt_param, retry)
-        if admitted and error.status >= 500:  # the gateway's failure: the request is not the client's to pay
+        # not served, through no fault of the client's: the gateway's failure (5xx), or an upstream
+        # that turned it away (its 429 too): the request is not the client's to pay
+        # (Route.start raises an upstream's error as the APIError it becomes, from it)
+        upstream_failed = isinstance(exc, UpstreamUnavailable) or isinstance(
+            exc.__cause__, UpstreamUnavailable
+        )
+        if admitted and (error.status >= 500 or upstream_failed):
             await state.limiter.refund(request.state.tenant)
         return error_response(error)
 

@@ -121,7 +121,7 @@ async def upstream() -> AsyncIterator[RawUpstream]:
 
 
 async def serve_gateway(
-    up: RawUpstream, cache: bool = False, **upstream_settings: Any
+    up: RawUpstream, cache: bool = False, limits: dict[str, Any] | None = None, **upstream_settings: Any
 ) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
     """The gateway with a local model `fake` and the upstream `u` serving `up-model`; `auto` goes
     to the upstream first and falls back to the local tier."""
@@ -129,6 +129,7 @@ async def serve_gateway(
          "timeout_s": 2.0, "breaker_failures": 100} | upstream_settings  # fmt: skip
     settings = load_settings(env={}, overrides={
         "cache": {"enabled": cache}, "upstreams": [u], "models": [{"name": "fake", "source": "x"}],
+        "limits": limits or {},
         "router": {"tiers": [{"name": "local", "model": "fake"},
                              {"name": "remote", "upstream": "u", "threshold": 0.0, "fallback": ["local"]}]},
     })  # fmt: skip
@@ -515,3 +516,23 @@ async def test_an_upstream_is_served_by_its_name_too(upstream: RawUpstream, gate
     async with httpx.AsyncClient(timeout=10) as c:
         r = await c.post(gateway + "/chat/completions", json={**CHAT, "model": "u"})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello"
+
+
+async def test_an_upstreams_429_is_not_charged_to_the_clients_rate_limit(upstream: RawUpstream) -> None:
+    """A request an upstream turned away (its 429, passed on) was not served: it is given back to
+    the key's requests-per-minute, as the gateway's own failures (5xx) are. It counted, so a client
+    at rpm 1 got the upstream's 429 and then the gateway's own for the retry its SDK made."""
+    base, server, task = await serve_gateway(upstream, limits={"rpm": 1})
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            upstream.actions = [status(429, headers=b"retry-after: 20\r\n")]
+            turned_away = await c.post(base + "/chat/completions", json=CHAT)
+            served = await c.post(base + "/chat/completions", json=CHAT)
+            limited = await c.post(base + "/chat/completions", json=CHAT)
+    finally:
+        server.should_exit = True
+        await task
+    assert turned_away.status_code == 429 and "upstream 'u'" in turned_away.json()["error"]["message"]
+    assert served.status_code == 200, served.text
+    assert upstream.requests == 2  # the third is the key's own limit, refused here
+    assert limited.status_code == 429 and "upstream" not in limited.json()["error"]["message"]
