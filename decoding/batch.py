@@ -13,6 +13,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from decoding.drafters import FirstDrafts, Proposal
+from decoding.errors import InvalidParameter
 from decoding.params import FinishReason, TokenLogprob
 from decoding.runner import as_ids
 from decoding.sampling import Scored, apply_penalties, logprobs_of, probs_from_logits
@@ -153,6 +154,7 @@ class Applied(NamedTuple):
     tokens: list[int]  # its new tokens, cut at a stop or max_tokens
     finish: FinishReason | None
     logprobs: list[TokenLogprob] | None
+    error: InvalidParameter | None = None  # with finish ERROR: the row's grammar failed (its alone)
 
 
 @dataclass
@@ -197,8 +199,12 @@ class QueuedStep:
                 if s.drafter is not None:  # nor its draft (which took nothing past the row's tokens)
                     s.drafter.rollback(n_before + n)
             new, finish = _truncate(s, cand[: n + 1])
+            error = None
             if s.shaping is not None:
-                s.shaping.commit(new)  # [shaping] the matcher advances by accepted tokens only
+                try:
+                    s.shaping.commit(new)  # [shaping] the matcher advances by accepted tokens only
+                except InvalidParameter as exc:  # a grammar past llguidance's limits ends its row
+                    new, finish, error = [], FinishReason.ERROR, exc  # alone, not the batch's step
             logprobs = None
             if params.logprobs is not None and new:
                 assert self.logits is not None, "a step keeps its logits where a row wants logprobs"
@@ -211,7 +217,7 @@ class QueuedStep:
                 idx = as_ids(new, s.counts.device)
                 s.counts.index_add_(0, idx, torch.ones_like(idx))
             s.finished = finish
-            out.append(Applied(kk, n, new, finish, logprobs))
+            out.append(Applied(kk, n, new, finish, logprobs, error))
         return out
 
     def undo(self, seqs: list[Sequence]) -> None:

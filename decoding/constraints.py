@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from decoding.drafters import Proposal
-from decoding.grammar import ll_tokenizer, matcher
+from decoding.errors import InvalidParameter
+from decoding.grammar import ll_tokenizer, matcher, short_error
 from decoding.params import GrammarSpec
 from decoding.runner import as_ids
 
@@ -56,6 +57,7 @@ class Constraint:
     def __init__(self, spec: GrammarSpec, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.vocab_size = vocab_size
         self.eos = set(eos_token_ids)
+        self.param = spec.param
         self.matcher = matcher(spec, ll_tokenizer(tokenizer, vocab_size, eos_token_ids), tokenizer)
 
     def propose_forced(self) -> list[int]:
@@ -120,6 +122,11 @@ class Constraint:
         """Advance by the tokens verification accepted (end-of-turn tokens are not output)."""
         tokens = [t for t in accepted if t not in self.eos]
         if tokens and not self.matcher.consume_tokens(tokens):
+            if self.matcher.is_error():  # a limit of llguidance's (parser items, lexer states) hit
+                raise InvalidParameter(
+                    f"The grammar failed during generation: {short_error(self.matcher.get_error())}",
+                    self.param,
+                )
             raise AssertionError(f"verified tokens broke the grammar: {self.matcher.get_error()}")
 
     @property

@@ -433,6 +433,8 @@ class Engine:
             prompt_logprobs=prompt_logprobs,
             finish_reason=a.finish,
             stats=seq.stats if a.finish else None,
+            error=str(a.error) if a.error is not None else None,
+            error_param=a.error.param if a.error is not None else None,
         )
 
     def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:

@@ -80,9 +80,9 @@ def matcher(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, hf_tokenizer: 
         spec = GrammarSpec(spec.kind, text, spec.param)
     m = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
     if m.is_error():
-        raise InvalidParameter(f"The grammar could not be compiled: {_short(m.get_error())}", spec.param)
+        raise InvalidParameter(f"The grammar could not be compiled: {short_error(m.get_error())}", spec.param)
     return m
 
 
-def _short(error: str) -> str:
+def short_error(error: str) -> str:
     return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"

@@ -223,6 +223,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None  # set on the final output
     error: str | None = None  # set with finish_reason ERROR
+    error_param: str | None = None  # with error: the request parameter at fault (its grammar's), if any
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,10 @@ def guided_grammar(guided: dict[str, Any]) -> GrammarSpec:
     if key == "regex":
         return GrammarSpec("regex", value, param)
     if key == "choice":  # Lark strings take JSON's escapes
-        return GrammarSpec(
-            "lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value), param
-        )
+        # one terminal, compiled by the lexer: as a rule's alternatives each choice was a parser item,
+        # and past 2000 of them llguidance's parser failed at the first token (a 500)
+        alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        return GrammarSpec("lark", f"start: CHOICE\nCHOICE: {alts}", param)
     return GrammarSpec("lark", value, param)
 
 

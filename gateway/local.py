@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 from decoding.client import EngineClient, StepStream, Tokenizer
-from decoding.errors import EngineStopped
+from decoding.errors import EngineStopped, InvalidParameter
 from decoding.params import (
     FinishReason,
     GenerationRequest,
@@ -226,6 +226,8 @@ class LocalBackend:
                     if step.finish_reason == FinishReason.ABORT:  # the engine is shutting down
                         raise EngineStopped("generation was aborted by the engine")
                     if step.finish_reason == FinishReason.ERROR:
+                        if step.error_param is not None:  # the request's fault (its grammar): a 400
+                            raise InvalidParameter(step.error or "", step.error_param)
                         raise RuntimeError(f"generation failed: {step.error}")
                     tail = matcher.feed(detok.flush())
                     tail += matcher.flush()

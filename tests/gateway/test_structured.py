@@ -391,3 +391,39 @@ def test_bad_guided_decoding_is_a_400_naming_it(server, extra, param) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_a_guided_choice_of_thousands_is_served(server) -> None:
+    """2,500 choices: as one rule's alternatives each was a parser item, and past llguidance's 2,000 a
+    row the first token failed the request (a 500); as one terminal the lexer compiles them."""
+    words = [f"w{i}x" for i in range(2500)]
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        json={"model": "tiny", "messages": USER, "max_tokens": 30, "temperature": 0, "guided_choice": words},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] in words and choice["finish_reason"] == "stop"
+
+
+def test_a_grammar_past_llguidances_limits_fails_its_request_alone(server) -> None:
+    """A regex that compiles but outgrows llguidance's lexer at the first token is a 400 naming
+    guided_regex (a stream's error event), and a request decoding beside it is unharmed: the failure
+    was the whole batch step's, every request in it a 500."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    bad = {"model": "tiny", "messages": USER, "max_tokens": 8, "guided_regex": "(a|aa){5000}"}
+    good = {"model": "tiny", "messages": USER, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as c:
+        with c.stream("POST", "/chat/completions", json={**good, "stream": True}) as s:
+            lines = s.iter_lines()
+            first = next(x for x in lines if x.startswith("data: {") and '"content":"' in x)
+            r = c.post("/chat/completions", json=bad)  # while the good stream is decoding
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert first and rest[-1] == "data: [DONE]" and not any('"error"' in x for x in rest)
+        assert any('"finish_reason":"length"' in x for x in rest)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "guided_regex"
+        streamed = c.post("/chat/completions", json={**bad, "stream": True}).text
+        assert '"param": "guided_regex"' in streamed and "invalid_request_error" in streamed
