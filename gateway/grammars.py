@@ -85,16 +85,23 @@ def grammar_for(
     return GrammarSpec("json_schema", json.dumps(schema))
 
 
+def guided_kind(name: str, value: Any) -> tuple[str, Any, str]:
+    """One guided field as (kind, its value, the parameter errors name): ``guided_regex`` is
+    ("regex", value, "guided_regex"); ``structured_outputs`` holds one kind, set (not null or false),
+    named ``structured_outputs.<kind>`` (jobs._guided has checked that it holds exactly one)."""
+    if name != "structured_outputs":
+        return name.removeprefix("guided_"), value, name
+    ((key, inner),) = ((k, v) for k, v in value.items() if v is not None and v is not False)
+    return key, inner, f"{name}.{key}"
+
+
 def guided_grammar(guided: dict[str, Any]) -> GrammarSpec:
     """The grammar of vLLM's guided decoding (``Job.guided``, its types checked by jobs._guided):
     guided_json a JSON schema, guided_regex the whole output, guided_choice one of the strings,
     guided_grammar a Lark grammar (llguidance's dialect, as vLLM's guidance backend takes it), or
     structured_outputs holding one of them."""
-    ((name, value),) = guided.items()
-    key, param = name.removeprefix("guided_"), name
-    if name == "structured_outputs":
-        ((key, value),) = ((k, v) for k, v in value.items() if v is not None and v is not False)
-        param = f"{name}.{key}"
+    ((name, sent),) = guided.items()
+    key, value, param = guided_kind(name, sent)
     if key == "json":
         return GrammarSpec("json_schema", value if isinstance(value, str) else json.dumps(value), param)
     if key == "json_object":

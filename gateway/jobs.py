@@ -12,6 +12,7 @@ from typing import Any
 from decoding.params import SpecMode, SpecParams
 from gateway.backends import Job
 from gateway.errors import bad_request
+from gateway.grammars import guided_kind
 from gateway.protocol import (
     CHAT_ONLY,
     GUIDED,
@@ -202,17 +203,15 @@ def _guided(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | 
     if name == "structured_outputs":
         if not isinstance(value, dict):
             raise bad_request("structured_outputs must be an object.", param=name)
-        kinds = {k: v for k, v in value.items() if v is not None and v is not False}
-        unknown = sorted(set(kinds) - set(_STRUCTURED_KEYS))
+        kinds = {k for k, v in value.items() if v is not None and v is not False}
+        unknown = sorted(kinds - set(_STRUCTURED_KEYS))
         if unknown or len(kinds) != 1:
             raise bad_request(
                 f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_KEYS)}"
                 + (f"; '{unknown[0][:64]}' is not supported by this server." if unknown else "."),
                 param=name,
             )
-        (key, inner), param = next(iter(kinds.items())), f"{name}.{next(iter(kinds))}"
-    else:
-        key, inner, param = name.removeprefix("guided_"), value, name
+    key, inner, param = guided_kind(name, value)
     if key == "json":
         if isinstance(inner, str):
             try:
