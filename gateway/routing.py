@@ -102,13 +102,13 @@ class RoutingService:
         return dataclasses.replace(job, model=d.model, spec=d.spec_params(job.spec))
 
     async def route(self, job: Job, local: Backend | None) -> Route:
-        served = self.router.names()
-        # an upstream's configured name is served too (the router's explicit route), unlisted
-        known = served | set(self.router.upstreams) | set(local.model_ids() if local is not None else ())
-        if local is not None and job.model not in known:
-            # here, not in the engine, whose 404 listed its own models and left out `auto` and
-            # the upstreams' models, which /v1/models lists
-            raise UnknownModel(job.model, sorted({*local.model_ids(), *served}))
+        if local is not None:
+            # here, not in the engine, whose 404 listed its own models and left out `auto` and the
+            # upstreams' models, which /v1/models lists; an upstream's configured name is served too
+            # (the router's explicit route), unlisted
+            listed = {*local.model_ids(), *self.router.names()}
+            if job.model not in listed and job.model not in self.router.upstreams:
+                raise UnknownModel(job.model, sorted(listed))
         messages = job.messages if job.kind == "chat" else None
         prompt = None if job.kind == "chat" else " ".join(p for p in job.prompts or [] if isinstance(p, str))
         d = self.router.route(

@@ -124,12 +124,9 @@ async def _serve(
     except Exception as exc:
         error = to_api_error(exc, prompt_param, retry)
         # not served, through no fault of the client's: the gateway's failure (5xx), or an upstream
-        # that turned it away (its 429 too): the request is not the client's to pay
-        # (Route.start raises an upstream's error as the APIError it becomes, from it)
-        upstream_failed = isinstance(exc, UpstreamUnavailable) or isinstance(
-            exc.__cause__, UpstreamUnavailable
-        )
-        if admitted and (error.status >= 500 or upstream_failed):
+        # that turned it away (its 429 too; Route.start raises it as the APIError it becomes, from
+        # it): the request is not the client's to pay
+        if admitted and (error.status >= 500 or isinstance(exc.__cause__, UpstreamUnavailable)):
             await state.limiter.refund(request.state.tenant)
         return error_response(error)
 

@@ -174,7 +174,7 @@ class Router:
             )  # fmt: skip
         # A named model keeps the engine's own choice (AUTO) unless the request overrides it: naming
         # a model opts out of routing, strategy included. A name the router does not know still goes
-        # to the engine, whose UnknownModel becomes a 404.
+        # to the local backend (the gateway's RoutingService answers a name nothing serves with a 404).
         limits = self.settings.strategy
         chosen = SpecMode.AUTO
         why = ["explicit"]
