@@ -321,6 +321,11 @@ def rate_limiter(settings: Settings, metrics: Metrics) -> RateLimiter:
     return RateLimiter(limits.rpm, limits.tpm, shared)
 
 
+def _default_max_tokens(settings: Settings) -> int:
+    """A chat request's limit when it gives none; the context bounds it too (LocalBackend)."""
+    return settings.limits.default_max_tokens or settings.limits.max_max_tokens
+
+
 def create_app(
     settings: Settings,
     engine: EngineClient | None = None,
@@ -349,7 +354,7 @@ def create_app(
         settings.cache, metrics=obs.metrics, tracer=obs.tracing.tracer
     )
     if engine is not None:
-        state.backend = LocalBackend(obs.observe_engine(engine), settings.limits.default_max_tokens)
+        state.backend = LocalBackend(obs.observe_engine(engine), _default_max_tokens(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -413,6 +418,6 @@ async def _load(app: Starlette, state: GatewayState, load_engine: Callable[[], E
             app.state.on_load_failure()
         return
     observed = app.state.observability.observe_engine(engine)
-    state.backend = LocalBackend(observed, state.settings.limits.default_max_tokens)
+    state.backend = LocalBackend(observed, _default_max_tokens(state.settings))
     state.extra["engine"] = engine
     log.info("models loaded: %s", ", ".join(engine.model_names))

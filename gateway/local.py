@@ -41,7 +41,7 @@ _DONE = object()  # a pump finished its choice
 class LocalBackend:
     name = "local"
 
-    def __init__(self, engine: EngineClient, default_max_tokens: int = 512):
+    def __init__(self, engine: EngineClient, default_max_tokens: int = 4096):
         self.engine = engine
         self.default_max_tokens = default_max_tokens
 
@@ -93,7 +93,8 @@ class LocalBackend:
         prompt_logprobs = job.logprobs if job.kind == "completion" and job.echo else None
         reqs = []
         for ids, _ in prompts:
-            # no limit given: as many as fit, up to the server default (never a PromptTooLong for it)
+            # no limit given: as many as fit, up to the server default (never a PromptTooLong for it);
+            # the engine ends it at the context's end with finish_reason "length"
             # max_tokens 0 (echo alone): one token is asked for and dropped (_pump), so that the prompt
             # goes through the engine's one path to its logprobs
             max_tokens = (

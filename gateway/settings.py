@@ -83,7 +83,11 @@ class LimitSettings(_Section):
     max_body_bytes: int = Field(default=1_000_000, ge=1024)
     max_n: int = Field(default=8, ge=1)
     max_max_tokens: int = Field(default=4096, ge=1)
-    default_max_tokens: int = Field(default=512, ge=1)  # when a chat request gives none (completions: 16)
+    # a chat request without max_tokens: None generates until the model stops or the context is full,
+    # up to max_max_tokens, as OpenAI's and vLLM's chat do (completions default to 16, as OpenAI's
+    # legacy API does). 512 cut long answers short with finish_reason "length" where a client
+    # written against OpenAI expected the whole of it.
+    default_max_tokens: int | None = Field(default=None, ge=1)
     max_stops: int = Field(default=4, ge=0)
     rpm: int | None = Field(default=None, ge=1)  # requests per minute per key; None: unlimited
     tpm: int | None = Field(default=None, ge=1)  # tokens (prompt + completion) per minute per key

@@ -204,6 +204,18 @@ async def test_a_completion_without_max_tokens_asks_for_16_as_the_legacy_api_doe
     assert [q.params.max_tokens for q in engine.requests] == [16, 16, 40, 100]
 
 
+async def test_a_chat_without_max_tokens_may_fill_the_context_as_openai_and_vllm_allow() -> None:
+    """Chat has no default limit at OpenAI, and vLLM's is what remains of the context: an answer
+    is not cut short at a server default unless one is configured, and never past max_max_tokens."""
+    engine = ScriptedEngine([token_ids("ok")])  # a 4096-token context
+    async with client(create_app(settings(), engine=engine)) as c:  # type: ignore[arg-type]
+        await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS})
+    async with client(create_app(settings(max_max_tokens=1000), engine=engine)) as c:  # type: ignore[arg-type]
+        await c.post("/v1/chat/completions", json={"model": "fake", "messages": MSGS})
+    context_left, capped = (q.params.max_tokens for q in engine.requests)
+    assert 4000 < context_left < 4096 and capped == 1000
+
+
 async def test_rate_limits_per_key() -> None:
     s = load_settings(
         overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}, "cache": {"enabled": False}},
