@@ -85,4 +85,13 @@ def matcher(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer, hf_tokenizer: 
 
 
 def short_error(error: str) -> str:
-    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
+    """llguidance's error as one line: its first, and the regex parser's reason, which it prints on a
+    later line under a caret drawing ("regex parse error: unclosed group"). The grammar excerpt it
+    quotes is left out: the client has its grammar, and the log should not."""
+    lines = error.strip().splitlines()
+    if not lines:
+        return "unknown error"
+    reasons = [
+        line.strip().removeprefix("error:").strip() for line in lines[1:] if line.strip().startswith("error:")
+    ]
+    return " ".join([lines[0], *reasons])[:300]

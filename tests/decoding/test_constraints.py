@@ -187,6 +187,17 @@ def test_bad_logit_bias_token_and_uncompilable_grammar_are_refused_by_name(tiny_
     assert e.value.param == "tools"
 
 
+def test_a_bad_regex_is_refused_with_the_parsers_reason_on_one_line(tiny_models):
+    """The regex parser puts its reason on a later line, under a caret drawing: the 400 said only
+    "regex parse error:". The grammar excerpt llguidance quotes stays out of the message."""
+    engine = Engine(tiny_models)
+    with pytest.raises(InvalidParameter) as e:
+        engine.check(request(tiny_models, "x", grammar=GrammarSpec("regex", "[z-a]", param="guided_regex")))
+    message = str(e.value)
+    assert e.value.param == "guided_regex" and "\n" not in message
+    assert message.endswith("invalid character class range, the start must be <= the end")
+
+
 def test_constraint_rolls_back_what_it_did_not_commit(tiny_models):
     tok = tiny_models["tiny"].tokenizer
     c = Constraint(GrammarSpec("lark", 'start: "yes" | "no"'), tok, 259, (tok.eos_token_id,))
