@@ -137,7 +137,21 @@ class DraftModelDrafter:
         self.runner.release()
 
 
-class PromptLookupDrafter:
+class StatelessDrafter:
+    """A drafter that reads the sequence afresh at each proposal: nothing to catch up on, roll back
+    or free."""
+
+    def catch_up(self, tokens: list[int]) -> None:
+        pass
+
+    def rollback(self, valid: int) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class PromptLookupDrafter(StatelessDrafter):
     """Prompt lookup decoding (Saxena 2023): find the latest earlier occurrence of the sequence's last
     n tokens (n from ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
     Deterministic, so verification treats its proposal as p = one-hot."""
@@ -159,15 +173,6 @@ class PromptLookupDrafter:
     ) -> Proposal:
         found = lookup_ngram(np.asarray(tokens, dtype=np.int64), k, self.max_ngram, self.min_ngram)
         return Proposal(as_ids(found, self.device), None)
-
-    def catch_up(self, tokens: list[int]) -> None:
-        pass
-
-    def rollback(self, valid: int) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
 
 
 def lookup_ngram(seq: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -430,7 +435,7 @@ def _lockstep(
     return out
 
 
-class PredictionDrafter:
+class PredictionDrafter(StatelessDrafter):
     """Predicted Outputs (OpenAI's ``prediction``): propose what follows, in the client's predicted
     text, the place the output so far has reached. Deterministic, like prompt lookup.
 
@@ -464,15 +469,6 @@ class PredictionDrafter:
         if at is not None:
             self.expected, self.output_len = at, len(out)
         return Proposal(as_ids(found, self.device), None)
-
-    def catch_up(self, tokens: list[int]) -> None:
-        pass
-
-    def rollback(self, valid: int) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
 
 
 def align(prediction: np.ndarray, output: np.ndarray, hint: int, sync: int) -> int | None:
