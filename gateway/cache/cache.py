@@ -181,7 +181,7 @@ class ResponseCache:
         return CacheHit("exact", 1.0, CachedResponse.from_bytes(blob)) if blob is not None else None
 
     async def _semantic(self, q: CacheQuery, vec: np.ndarray) -> CacheHit | None:
-        want = guard.key_terms(q.semantic_text or "")
+        want = guard.key_terms(q.semantic_text or "").hashed(q.tenant)
         cands = await self.entries.candidates(
             q.tenant_tag, self._scope(q), self.lsh.signatures(vec), self.settings.lsh_bucket_limit
         )
@@ -208,7 +208,9 @@ class ResponseCache:
         return q.embedding
 
     def _scope(self, q: CacheQuery) -> str:
-        return f"{q.scope_key}:{self.lsh.fingerprint}"
+        # GUARD_VERSION: entries whose key terms were stored in another form (plain words before
+        # 2026-12-04) are never candidates, rather than compared term for term with digests
+        return f"{q.scope_key}:{self.lsh.fingerprint}:{guard.GUARD_VERSION}"
 
     # ---- store ----------------------------------------------------------------------------------
 
@@ -225,7 +227,8 @@ class ResponseCache:
             semantic = None
             vec = await self._embed(q)
             if vec is not None:
-                feats = json.dumps(guard.key_terms(q.semantic_text or "").to_json(), separators=(",", ":"))
+                terms = guard.key_terms(q.semantic_text or "").hashed(q.tenant)  # digests, never the text
+                feats = json.dumps(terms.to_json(), separators=(",", ":"))
                 semantic = SemanticPart(self._scope(q), self.lsh.signatures(vec), pack(vec), feats.encode())
             await self.entries.put(
                 q.tenant_tag, q.exact_key, blob, ttl, self.settings.max_entries_per_tenant, semantic

@@ -6,9 +6,13 @@ Sentence embeddings place "what is X" and "what is not X", "sort 5 items" and "s
 similarity alone cannot tell a paraphrase from a different question (OPENAI-CONTRACT.md lists
 this bug). Paraphrases reword the ordinary words; near misses change one of these:
 
-- negations (not, no, never, without, n't, ...), compared as a count;
-- numbers, digits or spelled out ("five" == "5"), compared as a multiset;
-- polarity words (largest/smallest, ascending/descending, before/after, ...), compared as a set;
+- negations (not, no, never, without, n't, non-, ...), compared as a count, and words negated by a
+  prefix ("unsafe", "unsigned", "async", "immutable", "invalid", "deserialize") where the other
+  text has the bare word ("safe", "signed", "sync", ...) and not the prefixed one;
+- numbers, digits or spelled out ("five" == "5"), compared as a multiset, digits inside words
+  included ("ww2", "python3", "sha256", "ipv6", "int64");
+- polarity words (largest/smallest, ascending/descending, key/value, time/space, ...), also as
+  the head of a compound ("uppercase", "overflow", "minimize") and in the plural, compared as a set;
 - named things: capitalised words outside the sentence-initial position (or sentence-initial words
   that are not common English), ALLCAPS, code identifiers (snake_case, camelCase, dotted.names),
   quoted or back-ticked strings, and operator symbols;
@@ -19,13 +23,18 @@ this bug). Paraphrases reword the ordinary words; near misses change one of thes
   or drops an argument still matches; one that swaps two is refused (symmetric relations, "Python
   and Java", are refused too: a miss costs a generation, a wrong hit a wrong answer).
 
-The key terms are small, so entries store them instead of the prompt text.
+The key terms are small, so entries store them instead of the prompt text, and only as keyed
+digests (``KeyTerms.hashed``): every comparison is one of equality or order, which digests keep, and a
+cache entry in Redis then holds no name, number or quoted string of anyone's prompt.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
+
+GUARD_VERSION = "g2"  # in the semantic scope: bump when key terms change form or meaning
 
 
 def _words(text: str) -> frozenset[str]:
@@ -35,8 +44,13 @@ def _words(text: str) -> frozenset[str]:
 _NEGATIONS = _words(
     "not no never none nothing nobody nowhere neither nor without cannot cant isnt arent wasnt werent "
     "dont doesnt didnt wont wouldnt shouldnt couldnt hasnt havent hadnt mustnt neednt aint "
-    "except excluding exclude avoid lack lacks lacking"
+    "except excluding exclude avoid lack lacks lacking non"
 )
+# Prefixes that negate the word they open (un+safe, a+sync, in+valid, de+serialize). A prefixed word
+# refuses a match only where the other text has its stem bare and not the prefixed word, so the
+# false readings ("under", "index", "about") cost nothing: no paraphrase holds "der", "dex", "bout".
+_NEGATING_PREFIXES = ("non", "anti", "dis", "un", "in", "im", "il", "ir", "de", "a")
+_MIN_STEM = 3
 # Both sides of common antonym pairs; any difference in this set refuses the match.
 _POLARITY = _words(
     "largest smallest biggest least most more less fewer greater lower higher lowest highest maximum minimum "
@@ -44,7 +58,14 @@ _POLARITY = _words(
     "above below over under inside outside add remove insert delete encrypt decrypt encode decode true false "
     "enable disable open close start stop upper lower left right north south east west old new older newer "
     "oldest newest early late earlier later fast slow faster slower hot cold warm cool positive negative "
-    "odd even prefix suffix import export input output push pop buy sell win lose"
+    "odd even prefix suffix import export input output push pop buy sell win lose "
+    # pairs whose two sides a question names alone: "sort by key" and "sort by value" embed at 0.93
+    "key value read write horizontal horizontally vertical vertically row column time space "
+    "synonym antonym sum product union intersection brief briefly detail detailed concise verbose "
+    "upload download client server frontend backend width height public private "
+    "static dynamic local global stack heap shallow deep absolute relative explicit implicit "
+    "singular plural head tail inner outer prepend append plus minus multiply divide addition "
+    "subtraction multiplication division up down"
 )
 # Words that relate the argument before them to the one after: their order is the question.
 _RELATIONS = _words("than to into onto from vs versus over against toward towards via instead rather")
@@ -90,16 +111,41 @@ class KeyTerms:
     names: tuple[str, ...]  # sorted set, lowercased
     # arguments in order of first appearance; None: an entry stored before order was kept
     order: tuple[str, ...] | None = ()
+    words: tuple[str, ...] = ()  # sorted set of the words (stems of prefixed ones are looked up here)
+    prefixed: tuple[tuple[str, str], ...] = ()  # (word, stem) of words opening with a negating prefix
 
     def to_json(self) -> list[object]:
         out: list[object] = [self.negations, list(self.numbers), list(self.polarity), list(self.names)]
-        return [*out, list(self.order)] if self.order is not None else out
+        if self.order is None:
+            return out
+        return [*out, list(self.order), list(self.words), [list(p) for p in self.prefixed]]
 
     @classmethod
     def from_json(cls, raw: list[object]) -> KeyTerms:
         neg, nums, pol, names = raw[:4]
         order: tuple[str, ...] | None = tuple(raw[4]) if len(raw) > 4 else None  # type: ignore[arg-type]
-        return cls(int(neg), tuple(nums), tuple(pol), tuple(names), order)  # type: ignore[arg-type, call-overload]
+        words = tuple(raw[5]) if len(raw) > 5 else ()  # type: ignore[arg-type]
+        prefixed = tuple((str(w), str(s)) for w, s in raw[6]) if len(raw) > 6 else ()  # type: ignore[attr-defined]
+        return cls(int(neg), tuple(nums), tuple(pol), tuple(names), order, words, prefixed)  # type: ignore[arg-type, call-overload]
+
+    def hashed(self, salt: str) -> KeyTerms:
+        """Every term as a keyed digest (salt: the tenant): ``compatible`` compares digests as it
+        compares words, and what is stored names nothing of the prompt (a card number, a quoted
+        password and a person's name were stored as typed)."""
+        key = hashlib.blake2b(salt.encode("utf-8"), digest_size=32).digest()
+
+        def h(term: str) -> str:
+            return hashlib.blake2b(term.encode("utf-8"), digest_size=8, key=key).hexdigest()
+
+        return KeyTerms(
+            self.negations,
+            tuple(sorted(h(t) for t in self.numbers)),
+            tuple(sorted(h(t) for t in self.polarity)),
+            tuple(sorted(h(t) for t in self.names)),
+            None if self.order is None else tuple(h(t) for t in self.order),
+            tuple(sorted(h(t) for t in self.words)),
+            tuple(sorted((h(w), h(s)) for w, s in self.prefixed)),
+        )
 
 
 def key_terms(text: str) -> KeyTerms:
@@ -109,6 +155,8 @@ def key_terms(text: str) -> KeyTerms:
     names: set[str] = set()
     sentence_start = True
     order: list[str] = []  # arguments, in order
+    seen: set[str] = set()  # letter runs of every word
+    prefixed: set[tuple[str, str]] = set()
     words: list[str] = []  # words, numbers and quoted strings, lowercased: the relations' neighbours
     relations: list[int] = []  # indexes into words
     for m in _WORD.finditer(text):
@@ -137,8 +185,15 @@ def key_terms(text: str) -> KeyTerms:
                 order.append(numbers[-1])
             elif bare in _ORDINALS and bare not in _POLARITY:
                 numbers.append(_ORDINALS[bare])
-            if bare in _POLARITY:
-                polarity.add(bare)
+            for digits in _DIGITS.findall(bare):  # "ww2", "python3", "sha256": a number all the same
+                numbers.append(digits.replace(",", ""))
+                order.append(numbers[-1])
+            polar = _polar(bare)
+            if polar is not None:
+                polarity.add(polar)
+            for part in _PARTS.findall(bare):  # "case-insensitive" splits at the hyphen already
+                seen.add(part)
+                prefixed.update((part, stem) for stem in _negated_stems(part))
             if _is_name(tok, sentence_start, bare):
                 names.add(bare)
                 order.append(bare)
@@ -157,7 +212,33 @@ def key_terms(text: str) -> KeyTerms:
         tuple(sorted(polarity)),
         tuple(sorted(names)),
         _in_order(order, text),
+        tuple(sorted(seen)),
+        tuple(sorted(prefixed)),
     )
+
+
+_DIGITS = re.compile(r"\d+(?:[.,]\d+)*")  # as the number tokens read them: "python3.12" has "3.12"
+_PARTS = re.compile(r"[a-z]+")
+
+
+def _polar(word: str) -> str | None:
+    """The polarity word ``word`` is, in the plural ("keys", "values") or as a compound's head
+    ("uppercase", "overflow", "minimize": a polarity word and at least four more letters)."""
+    if word in _POLARITY:
+        return word
+    if word.endswith("s") and word[:-1] in _POLARITY:
+        return word[:-1]
+    for n in range(len(word) - 4, 1, -1):
+        if word[:n] in _POLARITY:
+            return word[:n]
+    return None
+
+
+def _negated_stems(word: str) -> list[str]:
+    """What ``word`` negates, read with each prefix it opens with ("insecure": "secure", "nsecure")."""
+    return [
+        word[len(p) :] for p in _NEGATING_PREFIXES if word.startswith(p) and len(word) - len(p) >= _MIN_STEM
+    ]
 
 
 def _argument(word: str) -> bool:
@@ -193,7 +274,15 @@ def compatible(a: KeyTerms, b: KeyTerms) -> bool:
     """True when nothing answer-changing differs between the two texts."""
     if (a.negations, a.numbers, a.polarity, a.names) != (b.negations, b.numbers, b.polarity, b.names):
         return False
+    if _negates(a, b) or _negates(b, a):
+        return False
     if a.order is None or b.order is None:  # an old entry: no order to compare, so no match on one
         return len(a.order or b.order or ()) < 2
     shared = set(a.order) & set(b.order)
     return [x for x in a.order if x in shared] == [x for x in b.order if x in shared]
+
+
+def _negates(a: KeyTerms, b: KeyTerms) -> bool:
+    """``a`` says "unsafe" (or "async", "invalid", ...) where ``b`` says "safe" and never "unsafe"."""
+    words = set(b.words)
+    return any(stem in words and word not in words for word, stem in a.prefixed)

@@ -134,6 +134,16 @@ async def test_lossless_and_transport_fields_share_entries(make_cache: MakeCache
         ("Sort the list in ascending order.", "Sort the list in descending order."),
         ("Is Python faster than Java?", "Is Java faster than Python?"),  # similarity 0.993
         ("Convert Celsius to Fahrenheit.", "Convert Fahrenheit to Celsius."),
+        # digits inside words are numbers; words negated by a prefix; compounds and plurals of
+        # polarity words (each of these hit at the product's 0.9 threshold before 2026-12-04)
+        ("what year did ww2 end", "what year did ww1 end"),  # similarity 0.92
+        ("Is it safe to eat raw eggs?", "Is it unsafe to eat raw eggs?"),  # 0.99
+        ("How do I make a case-sensitive search in vim?", "How do I make a case-insensitive search in vim?"),
+        ("What is a blocking socket?", "What is a non-blocking socket?"),
+        ("How to uppercase a string in Python", "How to lowercase a string in Python"),  # 0.90
+        ("how to sort a dict by key in python", "how to sort a dict by value in python"),  # 0.93
+        ("Explain recursion briefly.", "Explain recursion in detail."),  # 0.99
+        ("Give me a synonym for happy.", "Give me an antonym for happy."),  # 0.93
     ],
 )
 async def test_guard_refuses_near_misses(make_cache: MakeCache, stored: str, asked: str) -> None:

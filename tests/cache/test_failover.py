@@ -109,6 +109,30 @@ async def test_key_layout_and_entry_size(redis_server: RedisProcess, embedder: S
     await cache.entries.close()
 
 
+async def test_entries_hold_no_words_of_the_prompt(
+    redis_server: RedisProcess, embedder: SentenceEmbedder
+) -> None:
+    """The guard's key terms are what an entry keeps of the question: as digests, since they are the
+    very words that matter (names, numbers, quoted strings), and they were stored as typed."""
+    cache = redis_cache(redis_server.url, embedder)
+    question = 'Why was card 4111 1111 1111 1234 of Alice Smith declined with "hunter2 secret"?'
+    await put(cache, chat(question), "no idea")
+    assert await get(cache, chat(question.replace("Why was", "Why has"))) is not None, "still matches"
+    client = aioredis.Redis.from_url(redis_server.url)
+    keys = [k async for k in client.scan_iter(f"{cache.settings.key_prefix}:*")]
+    try:
+        stored = b"".join(keys)
+        for k in keys:
+            if b":e:" in k:
+                stored += b"".join((await client.hgetall(k)).values())
+        for secret in (b"4111", b"1234", b"alice", b"smith", b"hunter2", b"declined", b"card"):
+            assert secret not in stored.lower(), secret
+    finally:
+        await client.delete(*keys)
+        await client.aclose()
+        await cache.entries.close()
+
+
 async def test_lookup_reads_bounded_candidates(
     redis_server: RedisProcess, embedder: SentenceEmbedder
 ) -> None:

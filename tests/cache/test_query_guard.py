@@ -102,6 +102,54 @@ def test_guard_key_terms() -> None:
     assert not compatible(key_terms("Call getUser."), key_terms("Call getUsers."))
 
 
+NEGATED_OR_OPPOSITE = [
+    ("what year did ww2 end", "what year did ww1 end"),
+    ("how do i print in python2", "how do i print in python3"),
+    ("how to compute sha256 of a file", "how to compute sha1 of a file"),
+    ("how to declare a signed int in c", "how to declare an unsigned int in c"),
+    ("Is it safe to eat raw eggs?", "Is it unsafe to eat raw eggs?"),
+    ("how to serialize json in go", "how to deserialize json in go"),
+    ("what is a blocking socket", "what is a non-blocking socket"),
+    ("how do i write a sync function", "how do i write an async function"),
+    ("is a string mutable in python", "is a string immutable in python"),
+    ("how to install docker", "how to uninstall docker"),
+    ("How to uppercase a string in Python", "How to lowercase a string in Python"),
+    ("how to sort a dict by key in python", "how to sort a dict by value in python"),
+    ("what is the time complexity of binary search", "what is the space complexity of binary search"),
+    ("Explain recursion briefly", "Explain recursion in detail"),
+    ("Give me a synonym for happy", "Give me an antonym for happy"),
+]
+KEPT = [
+    ("Is it unsafe to eat raw eggs?", "Is eating raw eggs unsafe?"),
+    ("What is an unsigned integer?", "What's an unsigned integer?"),
+    ("how do I use python3 venv", "how do I use venv in python3"),
+    ("How do I sort a dict by its keys in Python?", "How to sort a Python dictionary by key?"),
+    ("how to uppercase a string in python", "how do i convert a string to uppercase in python"),
+    ("What is an IP address?", "What's an IP address?"),
+    ("How do I install numpy?", "How can I install numpy?"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), NEGATED_OR_OPPOSITE)
+def test_guard_refuses_numbers_in_words_negating_prefixes_and_opposites(a: str, b: str) -> None:
+    assert not compatible(key_terms(a), key_terms(b))
+    assert not compatible(key_terms(a).hashed("t"), key_terms(b).hashed("t")), "digests compare alike"
+
+
+@pytest.mark.parametrize(("a", "b"), KEPT)
+def test_guard_keeps_paraphrases_around_those_words(a: str, b: str) -> None:
+    assert compatible(key_terms(a), key_terms(b))
+    assert compatible(key_terms(a).hashed("t"), key_terms(b).hashed("t"))
+
+
+def test_hashed_key_terms_name_nothing_of_the_text() -> None:
+    text = 'Why was card 4111 1111 of Alice Smith declined with "hunter2 secret"?'
+    stored = str(key_terms(text).hashed("tenant-a").to_json()).lower()
+    for word in ("4111", "1111", "alice", "smith", "hunter2", "declined", "card"):
+        assert word not in stored
+    assert key_terms(text).hashed("tenant-a") != key_terms(text).hashed("tenant-b"), "keyed by tenant"
+
+
 SWAPPED = [
     ("Is Python faster than Java?", "Is Java faster than Python?"),
     ("is a list faster than a tuple?", "is a tuple faster than a list?"),
