@@ -45,7 +45,7 @@ async def run(threshold: float) -> dict[str, Any]:
         hit = await cache.lookup(qb)
         assert qa.embedding is not None and qb.embedding is not None
         sim = float(qa.embedding @ qb.embedding)
-        ok = guard.compatible(guard.features(p["a"]), guard.features(p["b"]))
+        ok = guard.compatible(guard.key_terms(p["a"]), guard.key_terms(p["b"]))
         rows.append({**p, "similarity": round(sim, 4), "guard_ok": ok, "hit": hit is not None})
     embedder = cache.embedder.id
     await cache.close()
