@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.client import EngineClient
 from gateway import protocol, serving
+from gateway.backends import Job
 from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, clip, error_response, to_api_error, unavailable
 from gateway.limits import RateLimiter, RedisBuckets, body_deadline
@@ -353,6 +354,8 @@ def create_app(
     state.cache = GatewayCache.from_settings(  # in-process, or Redis when configured
         settings.cache, metrics=obs.metrics, tracer=obs.tracing.tracer
     )
+    if state.cache is not None:
+        state.cache.count_prompt = lambda job: _count_prompt(state, job)
     if engine is not None:
         state.backend = LocalBackend(obs.observe_engine(engine), _default_max_tokens(settings))
 
@@ -407,6 +410,14 @@ def create_app(
     app.state.openapi = openapi_document()
     app.state.on_load_failure = None  # server.py sets this to stop the process
     return app
+
+
+async def _count_prompt(state: GatewayState, job: Job) -> int | None:
+    """The prompt tokens of a job the local backend serves; None for a remote upstream's model."""
+    backend = state.backend
+    if isinstance(backend, LocalBackend) and job.model in backend.model_ids():
+        return await backend.prompt_tokens(job)
+    return None
 
 
 async def _load(app: Starlette, state: GatewayState, load_engine: Callable[[], EngineClient]) -> None:

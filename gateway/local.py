@@ -132,6 +132,13 @@ class LocalBackend:
                 )
         return reqs
 
+    async def prompt_tokens(self, job: Job) -> int:
+        """The prompt tokens ``start`` would count for ``job`` (all its prompts), without starting it:
+        a semantic cache hit answers a prompt other than the stored one, and reports this."""
+        tok = self.engine.tokenizer(job.model)  # raises UnknownModel
+        prompts = await asyncio.to_thread(self._prompts, job, tok)
+        return sum(len(ids) for ids, _ in prompts)
+
     async def start(self, job: Job) -> Generation:
         tok = self.engine.tokenizer(job.model)  # raises UnknownModel
         # The chat template (jinja, in Python) and tokenizing a long prompt take milliseconds to

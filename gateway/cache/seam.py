@@ -17,8 +17,9 @@ its ``Metrics`` and tracer to ``from_settings``; every lookup, skipped ones incl
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -30,6 +31,8 @@ from gateway.cache.query import CacheControlError, CacheQuery
 from gateway.cache.response import CachedChoice, CachedResponse, CacheHit, header_value
 from gateway.cache.settings import CacheSettings
 from gateway.errors import bad_request
+
+log = logging.getLogger("specgate.cache")
 
 # Job fields that are not generation parameters: identity, transport, and the lossless speculation.
 _NOT_PARAMS = ("request_id", "kind", "model", "messages", "prompts", "spec", "granularity", "tenant", "user")
@@ -114,9 +117,16 @@ class CacheLookup:
         self.cache.store_later(self.query, response)
 
 
+PromptCounter = Callable[[Job], Awaitable[int | None]]
+
+
 class GatewayCache:
-    def __init__(self, cache: ResponseCache):
+    def __init__(self, cache: ResponseCache, count_prompt: PromptCounter | None = None):
         self.cache = cache
+        # a semantic hit answers a paraphrase, whose prompt is not the stored one's: its usage counts
+        # this request's prompt (the app sets this to the local backend's count; None or a None
+        # count, as for a remote upstream's model: the stored question's count stands)
+        self.count_prompt = count_prompt
 
     @classmethod
     def from_settings(
@@ -155,7 +165,13 @@ class GatewayCache:
             )
         except CacheControlError as exc:
             raise bad_request(str(exc), param="cache") from exc
-        return CacheLookup(self.cache, q, await self.cache.lookup(q))  # q None: skipped
+        hit = await self.cache.lookup(q)  # q None: skipped
+        if q is not None and hit is not None and hit.tier == "semantic" and self.count_prompt is not None:
+            try:
+                q.prompt_tokens = await self.count_prompt(job)
+            except Exception as exc:  # the hit still serves, with the stored question's count
+                log.debug("prompt count for a semantic hit failed: %s", exc)
+        return CacheLookup(self.cache, q, hit)
 
 
 def _endpoint(job: Job) -> Any:

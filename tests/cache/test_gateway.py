@@ -223,3 +223,31 @@ async def test_gateway_serves_through_a_dead_redis(
             .startswith("exact")
         )
     await app.state.gateway.cache.cache.entries.close()
+
+
+async def test_semantic_hit_reports_its_own_prompt_tokens(
+    engine: ScriptedEngine, embedder: SentenceEmbedder
+) -> None:
+    """A paraphrase's prompt is not the stored question's: usage (and the tokens the rate limit
+    charges) counts the prompt that was sent, as a fresh generation of it would, streamed or not."""
+    app = create_app(load_settings(env={}), engine=engine)  # type: ignore[arg-type]
+    app.state.gateway.cache.cache.embedder = embedder  # the session's, already loaded
+    para = "Could you tell me how I can reverse a list in Python?"
+    fresh_body = {**GREEDY, "messages": [{"role": "user", "content": para}]}
+    async with client(app) as c:
+        stored = await c.post("/v1/chat/completions", json=GREEDY)
+        await drained(app)
+        fresh = await c.post(
+            "/v1/chat/completions", json=fresh_body, headers={"Cache-Control": "no-cache, no-store"}
+        )
+        hit = await c.post("/v1/chat/completions", json=fresh_body)
+        streamed = await c.post(
+            "/v1/chat/completions",
+            json={**fresh_body, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    assert hit.headers["x-specgate-cache"].startswith("semantic")
+    want = fresh.json()["usage"]["prompt_tokens"]
+    assert want != stored.json()["usage"]["prompt_tokens"], "the two prompts differ in length"
+    assert hit.json()["usage"]["prompt_tokens"] == want
+    assert hit.json()["usage"]["total_tokens"] == want + hit.json()["usage"]["completion_tokens"]
+    assert json.loads(sse_data(streamed.text)[-2])["usage"]["prompt_tokens"] == want
