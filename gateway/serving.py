@@ -34,7 +34,7 @@ from gateway.errors import (
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.jobs import to_job
 from gateway.limits import RateLimiter, read_body
-from gateway.observability import note_completion, note_usage, observe_job
+from gateway.observability import note_completion, note_stream_error, note_usage, observe_job
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import RoutingService
 from gateway.settings import Settings
@@ -269,7 +269,9 @@ async def _events(
         if include_usage:
             yield fmt.usage_chunk(gen)
     except Exception as exc:  # after the 200: one error event, then [DONE]
-        yield json.dumps(error_event(exc))
+        event = error_event(exc)
+        note_stream_error(event)  # a failure the 200 hides, for the span, the log line and metrics
+        yield json.dumps(event)
     finally:
         if isinstance(deltas, AsyncGenerator):
             await deltas.aclose()

@@ -227,6 +227,8 @@ class UpstreamStream:
                 if event is None:
                     self._done = True
                     break
+                if "error" in event and "choices" not in event:
+                    self._outcome = "error"  # its in-band error: passed on, and the call failed
                 yield event
         finally:
             await self.aclose()

@@ -30,6 +30,7 @@ from gateway.observability.record import (
     RequestRecord,
     current_request,
     note_completion,
+    note_stream_error,
     note_usage,
     observe_job,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "Tracing",
     "current_request",
     "note_completion",
+    "note_stream_error",
     "note_usage",
     "observe_job",
 ]

@@ -2,10 +2,11 @@
 
 Its own registry (not prometheus_client's global one) lets tests build several apps in one process
 and read exact values back. Callers record through one method per event: the gateway
-(``observe_request_done``, ``observe_abort``), the engine wrapper (``observe_step``,
-``observe_generation_done``), the local engine's worker thread (``observe_batch_step``), the cache
-(``observe_cache``, ``observe_redis_error``, ``set_circuit_state``), the router (``observe_route``)
-and the upstream client (``observe_upstream``, ``observe_upstream_retry``, ``observe_fallback``).
+(``observe_request_done``, a stream's error after its 200 included, ``observe_abort``), the engine
+wrapper (``observe_step``, ``observe_generation_done``), the local engine's worker thread
+(``observe_batch_step``), the cache (``observe_cache``, ``observe_redis_error``,
+``set_circuit_state``), the router (``observe_route``) and the upstream client
+(``observe_upstream``, ``observe_upstream_retry``, ``observe_fallback``).
 
 Label values stay bounded: every free-form value the server chose (model, tier, strategy, upstream,
 ...) goes through a ``_Bounded`` set that admits configured names, then at most ``cap`` others, then
@@ -44,6 +45,10 @@ CIRCUIT_STATES = {"closed": 0, "half_open": 1, "open": 2}
 ABORT_PHASES = frozenset({"queued", "prefill", "decode", "cache", "upstream", "stream"})
 CACHE_TIERS = frozenset({"exact", "semantic"})
 CACHE_OUTCOMES = frozenset({"hit", "miss", "error", "skip"})
+# OpenAI's error types (gateway/errors.py's, and what upstreams send); any other is "other"
+ERROR_TYPES = frozenset(
+    {"server_error", "invalid_request_error", "rate_limit_error", "authentication_error", "permission_error"}
+)
 
 # Routes are labelled by template; anything else (404 probes, scanners) is "other".
 ROUTES = frozenset(
@@ -150,6 +155,13 @@ class Metrics:
         )
         self.in_flight = Gauge(
             "specgate_requests_in_flight", "HTTP requests being served.", ["route"], registry=r
+        )
+        self.stream_errors = Counter(
+            "specgate_stream_errors",
+            "Streams that ended in an error event after their 200 (engine or upstream failure, drain "
+            "cut-off), by the error's OpenAI type: failures specgate_requests_total counts as 200s.",
+            ["route", "model", "type"],
+            registry=r,
         )
         self.aborted = Counter(
             "specgate_aborted_requests",
@@ -337,13 +349,17 @@ class Metrics:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         requested_model: str | None = None,
+        stream_error: str | None = None,
     ) -> None:
         """One finished HTTP request. ``route`` is a path or template (unknown paths become "other").
         ``model``: the model that served it (the server's choice); failing that, ``requested_model``
-        (the client's string) labels it only if the server knows that name."""
+        (the client's string) labels it only if the server knows that name. ``stream_error``: the
+        OpenAI type of the error event a stream ended with after its 200."""
         route = route_label(route)
         m = self.model_label(model) if model else self.requested_model_label(requested_model)
         self.requests.labels(route, m, str(status)).inc()
+        if stream_error is not None:
+            self.stream_errors.labels(route, m, stream_error if stream_error in ERROR_TYPES else OTHER).inc()
         self.request_duration.labels(route, m).observe(seconds)
         if prompt_tokens:
             self.prompt_tokens.labels(m).inc(prompt_tokens)

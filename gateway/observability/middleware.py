@@ -8,7 +8,9 @@ wrapper and handlers through ``current_request()``; what it can see it reads its
 
 - status, ``x-request-id``, ``x-specgate-cache``, ``x-specgate-route`` and ``content-type`` from the
   response start;
-- ``error.type`` from the OpenAI error body of a 4xx/5xx (type and code only, never the message);
+- ``error.type`` from the OpenAI error body of a 4xx/5xx (type and code only, never the message),
+  or from the error event a stream ended with after its 200 (``note_stream_error``, serving's): the
+  span is then marked failed, and ``specgate_stream_errors_total`` counts it;
 - an abort: ``http.disconnect`` received, or a send failing, before the last body byte went out.
 """
 
@@ -24,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.observability import tracing as tr
 from gateway.observability.metrics import route_label
-from gateway.observability.record import MAX_CLIENT_CHARS, RequestRecord, _current
+from gateway.observability.record import MAX_CLIENT_CHARS, RequestRecord, _current, error_kind
 
 if TYPE_CHECKING:
     from gateway.observability import Observability
@@ -142,6 +144,7 @@ class ObservabilityMiddleware:
             prompt_tokens=rec.prompt_tokens,
             completion_tokens=rec.completion_tokens,
             requested_model=rec.request_model,
+            stream_error=rec.stream_error,
         )
         self._annotate(rec)
         obs.logger.emit(rec, tr.current_trace_id())
@@ -155,13 +158,9 @@ class ObservabilityMiddleware:
 
 def _error_type(body: bytes) -> str | None:
     try:
-        err = json.loads(body).get("error", {})
-    except (ValueError, AttributeError):
+        return error_kind(json.loads(body))
+    except ValueError:
         return None
-    if not isinstance(err, dict):
-        return None
-    t = err.get("code") or err.get("type")
-    return str(t)[:64] if t else None
 
 
 def _annotate(span: trace.Span, rec: RequestRecord) -> None:
@@ -199,6 +198,10 @@ def _annotate(span: trace.Span, rec: RequestRecord) -> None:
         attrs.update({f"specgate.spec.{k}": v for k, v in rec.spec_totals().items()})
     if rec.aborted:
         attrs["specgate.aborted_phase"] = rec.phase
+    if rec.stream_error is not None and rec.error_type is not None:
+        # a 200 whose stream ended in an error event: the instrumentation, which sees the status
+        # alone, left the span unset
+        tr.set_error(span, rec.error_type)
     if rec.log_content:
         if rec.prompt_text is not None:
             attrs["gen_ai.prompt"] = rec.prompt_text

@@ -57,7 +57,9 @@ class RequestRecord:
     route_tier: str | None = None
     route_strategy: str | None = None
     upstream: str | None = None
-    error_type: str | None = None
+    error_type: str | None = None  # an error's code, else its type (never its message)
+    # the OpenAI error type of the event a stream ended with after its 200 (a failure the status hides)
+    stream_error: str | None = None
     generations: list[RequestStats] = field(default_factory=list)
     prompt_text: str | None = None  # kept only with log_content
     completion_text: str | None = None
@@ -137,6 +139,28 @@ def note_usage(prompt_tokens: int, completion_tokens: int) -> None:
     rec = _current.get()
     if rec is not None:
         rec.set_usage(prompt_tokens, completion_tokens)
+
+
+def error_kind(error: Any) -> str | None:
+    """What telemetry names an OpenAI error object (``{"error": {...}}``) by: its code, else its
+    type, cut to 64 characters; never its message, which may quote the prompt or an upstream."""
+    err = error.get("error") if isinstance(error, dict) else None
+    if not isinstance(err, dict):
+        return None
+    kind = err.get("code") or err.get("type")
+    return str(kind)[:64] if kind else None
+
+
+def note_stream_error(error: dict[str, Any]) -> None:
+    """The error event a stream ends with after its 200 went out (then [DONE]): the request
+    failed, which its status no longer can say."""
+    rec = _current.get()
+    if rec is None:
+        return
+    err = error.get("error")
+    kind = err.get("type") if isinstance(err, dict) else None
+    rec.stream_error = str(kind)[:64] if kind else "server_error"
+    rec.error_type = error_kind(error) or rec.stream_error
 
 
 def note_completion(texts: list[str]) -> None:
