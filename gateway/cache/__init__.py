@@ -16,8 +16,10 @@ Tiers, in order:
 - exact: a hash of tenant, model, endpoint, the normalised messages (system prompt and all turns)
   or prompt, and every body field except those that cannot change the output (``stream``,
   ``stream_options``, ``user``, ``metadata``, ``cache``, and ``speculative``, which is lossless).
-- semantic: only when the final user text is short, the request has no tools, and its temperature
-  is at most ``semantic_max_temperature`` (0 by default). Scope = everything the exact key holds
+- semantic: chat only, when the final user text is short and answered in a new assistant turn, the
+  request has no tools, and its temperature is at most ``semantic_max_temperature`` (0 by default);
+  a continuation (legacy completions, ``continue_final_message``, ``add_generation_prompt: false``)
+  is exact-only, since another text, however close, continues differently. Scope = everything the exact key holds
   except that final text, so tenant, model, system prompt, earlier turns and sampling parameters
   must all match; within the scope, LSH buckets give candidates, exact cosine re-ranks them, and
   ``guard`` refuses matches whose negations, numbers, polarity words or names differ.

@@ -175,15 +175,24 @@ def build_query(
     model = str(body.get("model", ""))
     params = output_params(body)
     head = [KEY_VERSION, tenant, model, endpoint, params]
+    # Only a question answered in a new assistant turn may hit by similarity. A continuation (a
+    # legacy completion, a chat turn continued in place or left open without a generation prompt)
+    # goes on from its text's last character: "x = [10, 20" and "x = [10, 20," embed at 0.99, and
+    # the one's continuation after the other's prompt is broken code.
+    text: Any = None
     if endpoint == "chat":
         messages = _normalise_messages(body.get("messages"))
         exact = _dumps([*head, messages])
         context, last = messages[:-1], (messages[-1] if messages else {})
-        text = last.get("content") if last.get("role") == "user" else None
+        answers = body.get("add_generation_prompt", True) is not False and not body.get(
+            "continue_final_message"
+        )
+        if last.get("role") == "user" and answers:
+            text = last.get("content")
     else:
         prompt = _canon(body.get("prompt"))
         exact = _dumps([*head, prompt])
-        context, text = [], prompt
+        context = []
     temperature = body.get("temperature")
     temperature = default_temperature if temperature is None else float(temperature)
     semantic_ok = (

@@ -251,3 +251,19 @@ async def test_semantic_hit_reports_its_own_prompt_tokens(
     assert hit.json()["usage"]["prompt_tokens"] == want
     assert hit.json()["usage"]["total_tokens"] == want + hit.json()["usage"]["completion_tokens"]
     assert json.loads(sse_data(streamed.text)[-2])["usage"]["prompt_tokens"] == want
+
+
+async def test_completion_prefixes_never_hit_by_similarity(embedder: SentenceEmbedder) -> None:
+    """Through the app: a completion of a prompt one character away from a stored one is generated,
+    not replayed ("x = [10, 20" continued with ", 30]" would make "x = [10, 20,, 30]")."""
+    engine = ScriptedEngine([token_ids(", 30]")])
+    app = app_with_cache(engine, embedder)
+    body = {"model": "fake", "prompt": "x = [10, 20", "temperature": 0, "max_tokens": 5}
+    async with client(app) as c:
+        await c.post("/v1/completions", json=body)
+        await drained(app)
+        for near in ("x = [10, 20,", "x = [10, 20, ", "x = [10, 20\n"):
+            r = await c.post("/v1/completions", json={**body, "prompt": near})
+            assert r.headers["x-specgate-cache"] == "miss", near
+        assert (await c.post("/v1/completions", json=body)).headers["x-specgate-cache"].startswith("exact")
+    assert len(engine.requests) == 4

@@ -60,6 +60,17 @@ def test_semantic_eligibility() -> None:
     assert hot.semantic_text == "hi"
 
 
+def test_continuations_are_exact_only() -> None:
+    """A completion continues its prompt's text: another text, however close ("...the lazy" and
+    "...the lazy dog", "x = [10, 20" and "x = [10, 20,", a trailing newline or indent), has another
+    continuation, so neither legacy completions nor a chat turn continued in place hit by similarity."""
+    completion = {"model": "m", "prompt": "The quick brown fox jumps over the lazy", "temperature": 0}
+    assert build_query(completion, tenant="t", endpoint="completions").semantic_text is None
+    for continued in ({"add_generation_prompt": False}, {"continue_final_message": True}):
+        q = build_query({**BASE, **continued}, tenant="t", endpoint="chat")
+        assert q.semantic_text is None, continued
+
+
 def test_semantic_scope_keeps_earlier_turns() -> None:
     def conv(first: str, last: str) -> str:
         msgs = [
