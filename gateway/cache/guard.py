@@ -65,7 +65,8 @@ _POLARITY = _words(
     "upload download client server frontend backend width height public private "
     "static dynamic local global stack heap shallow deep absolute relative explicit implicit "
     "singular plural head tail inner outer prepend append plus minus multiply divide addition "
-    "subtraction multiplication division up down"
+    "subtraction multiplication division up down short shorter long longer soft hard light dark strong weak "
+    "lazy eager inclusive exclusive yesterday tomorrow"
 )
 # Words that relate the argument before them to the one after: their order is the question.
 _RELATIONS = _words("than to into onto from vs versus over against toward towards via instead rather")

@@ -129,6 +129,8 @@ NEGATED_OR_OPPOSITE = [
     ("what is the time complexity of binary search", "what is the space complexity of binary search"),
     ("Explain recursion briefly", "Explain recursion in detail"),
     ("Give me a synonym for happy", "Give me an antonym for happy"),
+    ("git reset --soft HEAD~1", "git reset --hard HEAD~1"),  # similarity 0.96
+    ("write a poem about the sea", "write a short poem about the sea"),  # 0.97
 ]
 KEPT = [
     ("Is it unsafe to eat raw eggs?", "Is eating raw eggs unsafe?"),
