@@ -34,7 +34,13 @@ from gateway.errors import (
 from gateway.formatting import ChatFormat, CompletionFormat
 from gateway.jobs import to_job
 from gateway.limits import RateLimiter, read_body
-from gateway.observability import note_completion, note_stream_error, note_usage, observe_job
+from gateway.observability import (
+    note_completion,
+    note_phase,
+    note_stream_error,
+    note_usage,
+    observe_job,
+)
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import RoutingService
 from gateway.settings import Settings
@@ -107,7 +113,11 @@ async def _serve(
             headers["x-specgate-cache"] = cached.header
         # a hit replays as a Generation, so it streams/formats/charges like a fresh one
         gen = cached.replay() if cached else None
-        if gen is None:
+        if gen is not None:
+            note_phase("cache")
+        else:
+            if route.attempts[0][0].upstream is not None:
+                note_phase("upstream")  # a local fallback's engine wrapper sets its own phases
             # An upstream's first event waits for its queue and prefill (timeout_s between bytes, 60 s
             # by default), and Starlette notices a client that left only once a stream has begun:
             # until then this listens itself, so the upstream's call ends with the client's
@@ -115,6 +125,8 @@ async def _serve(
             if started is None:
                 return Response(status_code=499)
             decision, gen = started
+            if decision.upstream is not None:
+                note_phase("stream", upstream=decision.upstream)
             headers["x-specgate-route"] = decision.header_value()  # after any fallback
             fmt.model = decision.model  # a fallback's answer names the model that gave it, not the pick
             if decision is not route.attempts[0][0]:

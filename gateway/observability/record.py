@@ -134,6 +134,18 @@ def observe_job(job: Any) -> None:
         rec.set_content(prompt=prompt if job.kind == "chat" else "\n".join(map(str, job.prompts or [])))
 
 
+def note_phase(phase: str, upstream: str | None = None) -> None:
+    """Where the request is, for an abort's phase: ``cache`` replaying a hit, ``upstream`` waiting
+    for an upstream's first event, ``stream`` passing on the stream of ``upstream``, which served
+    it (the local engine's wrapper sets ``queued`` and ``decode`` itself)."""
+    rec = _current.get()
+    if rec is None:
+        return
+    rec.phase = phase
+    if upstream is not None:
+        rec.upstream = upstream[:MAX_CLIENT_CHARS]
+
+
 def note_usage(prompt_tokens: int, completion_tokens: int) -> None:
     """The usage the response reports (local, cached or upstream alike)."""
     rec = _current.get()
