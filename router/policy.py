@@ -49,6 +49,12 @@ class RouteDecision:
     routed: bool = True  # False: the client named the model, routing was skipped
     elapsed_us: float = 0.0  # time spent deciding
 
+    def __str__(self) -> str:
+        """How a log line names it (the dataclass repr, every field and the fallbacks' in full, was
+        a fallback warning's ~500 characters)."""
+        where = f"upstream {self.upstream}, " if self.upstream is not None else ""
+        return f"{self.tier} ({where}model {self.model})"
+
     def header_value(self) -> str:
         """The `x-specgate-route` header."""
         return f"tier={self.tier}; model={self.model}; strategy={self.strategy.value}; score={self.score:.2f}"

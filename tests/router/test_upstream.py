@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from router.breaker import BreakerState
-from router.config import UpstreamSettings
+from router.config import RouterSettings, TierSettings, UpstreamSettings
 from router.faults import (
     CircuitOpen,
     UpstreamConnectError,
@@ -23,6 +23,7 @@ from router.faults import (
     UpstreamUnavailable,
     malformed,
 )
+from router.policy import Router
 from router.pool import UpstreamPool, first_available
 from router.upstream import Rewrite, UpstreamClient, encode_event
 from tests.router.conftest import FakeUpstream
@@ -265,3 +266,28 @@ def test_an_unreadable_chunk_names_its_field(field: str, event: dict[str, Any]) 
     """A field the gateway reads, of the wrong type (strictly: "3" is no count, true no index)."""
     reason = malformed(event)
     assert reason is not None and reason.startswith(field + ":"), reason
+
+
+async def test_a_gateway_fallback_is_logged_by_its_tier_and_model(caplog: pytest.LogCaptureFixture) -> None:
+    """The gateway's attempts are labelled by their RouteDecision, whose dataclass repr (every
+    field, its fallbacks' in full: ~500 characters) was the warning's 'route ...' on every fallback."""
+    s = RouterSettings(tiers=[
+        TierSettings(name="small", model="m"),
+        TierSettings(name="remote", upstream="u", threshold=0.0, fallback=["small"]),
+    ])  # fmt: skip
+    d = Router(s, [UpstreamSettings(name="u", base_url="http://x/v1", model="up-model")], {"m": None}).route(
+        "auto", prompt="hi"
+    )
+
+    async def refused() -> str:
+        raise UpstreamUnavailable("u", "down")
+
+    async def served() -> str:
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="specgate.router"):
+        assert await first_available([(d, refused), (d.fallbacks[0], served)]) == (d.fallbacks[0], "ok")
+    assert [r.getMessage() for r in caplog.records] == [
+        "route remote (upstream u, model up-model) failed before the first byte, falling back: "
+        "upstream 'u': upstream_error"
+    ]
