@@ -356,6 +356,7 @@ def create_app(
     )
     if state.cache is not None:
         state.cache.count_prompt = lambda job: _count_prompt(state, job)
+        state.cache.default_max_tokens = _default_max_tokens(settings)
     if engine is not None:
         state.backend = LocalBackend(obs.observe_engine(engine), _default_max_tokens(settings))
 

@@ -121,12 +121,21 @@ PromptCounter = Callable[[Job], Awaitable[int | None]]
 
 
 class GatewayCache:
-    def __init__(self, cache: ResponseCache, count_prompt: PromptCounter | None = None):
+    def __init__(
+        self,
+        cache: ResponseCache,
+        count_prompt: PromptCounter | None = None,
+        default_max_tokens: int | None = None,
+    ):
         self.cache = cache
         # a semantic hit answers a paraphrase, whose prompt is not the stored one's: its usage counts
         # this request's prompt (the app sets this to the local backend's count; None or a None
         # count, as for a remote upstream's model: the stored question's count stands)
         self.count_prompt = count_prompt
+        # what bounds a request that sets no max_tokens (the app's limits.default_max_tokens, else
+        # max_max_tokens): part of such a request's key, so gateways with other defaults sharing a
+        # Redis (a rolling deploy of a new one) never replay an answer cut at theirs
+        self.default_max_tokens = default_max_tokens
 
     @classmethod
     def from_settings(
@@ -159,9 +168,12 @@ class GatewayCache:
         if job.echo or job.logprobs is not None:
             # echo needs the prompt text and logprobs are not stored: neither can be replayed
             return CacheLookup(self.cache, None, await self.cache.lookup(None))  # counted as skipped
+        body = job_body(job)
+        if job.max_tokens is None and self.default_max_tokens is not None:
+            body["default_max_tokens"] = self.default_max_tokens
         try:
             q = self.cache.query(
-                {**job_body(job), **extra}, tenant=job.tenant, endpoint=_endpoint(job), headers=headers
+                {**body, **extra}, tenant=job.tenant, endpoint=_endpoint(job), headers=headers
             )
         except CacheControlError as exc:
             raise bad_request(str(exc), param="cache") from exc

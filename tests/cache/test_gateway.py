@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from decoding.embedder import SentenceEmbedder
 from gateway.app import create_app
@@ -267,3 +269,61 @@ async def test_completion_prefixes_never_hit_by_similarity(embedder: SentenceEmb
             assert r.headers["x-specgate-cache"] == "miss", near
         assert (await c.post("/v1/completions", json=body)).headers["x-specgate-cache"].startswith("exact")
     assert len(engine.requests) == 4
+
+
+async def test_an_answer_cut_at_another_default_limit_is_not_replayed(
+    redis_server: RedisProcess, embedder: SentenceEmbedder
+) -> None:
+    """A chat request without max_tokens is bounded by the gateway's default (limits.default_max_tokens,
+    else max_max_tokens): two gateways on one Redis with different defaults (a rolling deploy of a new
+    default, 512 until 2026-12-04) must not serve each other's answers, or the one cut short at 4 tokens
+    comes back, finish_reason "length", to a request the other would answer whole."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    apps, engines = [], []
+    for default in ("4", ""):
+        env = {
+            "SPECGATE_LIMITS__DEFAULT_MAX_TOKENS": default,
+            "SPECGATE_CACHE__REDIS_URL": redis_server.url,
+            "SPECGATE_CACHE__KEY_PREFIX": prefix,
+            "SPECGATE_CACHE__TIMEOUT_MS": "2000",
+        }
+        engines.append(ScriptedEngine([token_ids("Use "), token_ids("reversed().")]))
+        apps.append(create_app(load_settings(env={k: v for k, v in env.items() if v}), engine=engines[-1]))  # type: ignore[arg-type]
+        apps[-1].state.gateway.cache.cache.embedder = embedder
+    cut, whole = apps
+    try:
+        async with client(cut) as c:
+            assert (await c.post("/v1/chat/completions", json=GREEDY)).headers["x-specgate-cache"] == "miss"
+            await drained(cut)
+            assert (
+                (await c.post("/v1/chat/completions", json=GREEDY))
+                .headers["x-specgate-cache"]
+                .startswith("exact")
+            )
+        async with client(whole) as c:
+            r = await c.post("/v1/chat/completions", json=GREEDY)
+            assert r.headers["x-specgate-cache"] == "miss", "the other default's answer"
+            await drained(whole)
+            assert (
+                (await c.post("/v1/chat/completions", json=GREEDY))
+                .headers["x-specgate-cache"]
+                .startswith("exact")
+            )
+            asked = {**GREEDY, "max_tokens": 4}  # a limit the client sets is the same limit everywhere
+            await c.post("/v1/chat/completions", json=asked)
+            await drained(whole)
+        async with client(cut) as c:
+            assert (
+                (await c.post("/v1/chat/completions", json=asked))
+                .headers["x-specgate-cache"]
+                .startswith("exact")
+            )
+        assert len(engines[0].requests) == 1 and len(engines[1].requests) == 2
+    finally:
+        for app in apps:
+            await app.state.gateway.cache.cache.entries.close()
+        redis = aioredis.Redis.from_url(redis_server.url)
+        keys = [k async for k in redis.scan_iter(f"{prefix}:*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
