@@ -15,7 +15,8 @@ this bug). Paraphrases reword the ordinary words; near misses change one of thes
   the head of a compound ("uppercase", "overflow", "minimize") and in the plural, compared as a set;
 - named things: capitalised words outside the sentence-initial position (or sentence-initial words
   that are not common English), ALLCAPS, code identifiers (snake_case, camelCase, dotted.names),
-  quoted or back-ticked strings, and operator symbols;
+  single letters (variables, options: "option a" and "option b" embed at 0.87), quoted or
+  back-ticked strings, and operator symbols;
 - argument order: "Is Python faster than Java?" and "Is Java faster than Python?" share every word
   (similarity 0.99) and have opposite answers. The arguments of a text (its names, its numbers and
   the words either side of a relation word: than, to, into, from, vs, ...) are kept in order of
@@ -195,7 +196,7 @@ def key_terms(text: str) -> KeyTerms:
             for part in _PARTS.findall(bare):  # "case-insensitive" splits at the hyphen already
                 seen.add(part)
                 prefixed.update((part, stem) for stem in _negated_stems(part))
-            if _is_name(tok, sentence_start, bare):
+            if _is_name(tok, sentence_start, bare) or _is_letter(bare, text[m.end() :]):
                 names.add(bare)
                 order.append(bare)
             if bare in _RELATIONS:
@@ -259,6 +260,14 @@ def _in_order(args: list[str], text: str) -> tuple[str, ...]:
 def _first(low: str, arg: str) -> int:
     m = re.search(r"(?<![\w.])" + re.escape(arg) + r"(?![\w])", low)
     return m.start() if m else low.find(arg)
+
+
+def _is_letter(bare: str, after: str) -> bool:
+    """A letter standing for something: a variable or an option ("use x", "option b", "go with a"),
+    any letter but the words "a" and "i", which name something only where no word follows them."""
+    if len(bare) != 1 or not bare.isalpha():
+        return False
+    return bare not in "ai" or not after.lstrip()[:1].isalpha()
 
 
 def _is_name(tok: str, sentence_start: bool, bare: str) -> bool:

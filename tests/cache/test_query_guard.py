@@ -131,6 +131,9 @@ NEGATED_OR_OPPOSITE = [
     ("Give me a synonym for happy", "Give me an antonym for happy"),
     ("git reset --soft HEAD~1", "git reset --hard HEAD~1"),  # similarity 0.96
     ("write a poem about the sea", "write a short poem about the sea"),  # 0.97
+    ("option a", "option b"),  # 0.87: a conversation's choice between options
+    ("go with a", "go with b"),
+    ("use x", "use y"),
 ]
 KEPT = [
     ("Is it unsafe to eat raw eggs?", "Is eating raw eggs unsafe?"),
@@ -140,6 +143,7 @@ KEPT = [
     ("how to uppercase a string in python", "how do i convert a string to uppercase in python"),
     ("What is an IP address?", "What's an IP address?"),
     ("How do I install numpy?", "How can I install numpy?"),
+    ("What is a tuple in Python?", "What's a tuple in Python?"),  # "a" the article, not an option
 ]
 
 
