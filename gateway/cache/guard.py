@@ -16,7 +16,8 @@ this bug). Paraphrases reword the ordinary words; near misses change one of thes
 - named things: capitalised words outside the sentence-initial position (or sentence-initial words
   that are not common English), ALLCAPS, code identifiers (snake_case, camelCase, dotted.names),
   single letters (variables, options: "option a" and "option b" embed at 0.87), quoted or
-  back-ticked strings, and operator symbols;
+  back-ticked strings, operator symbols, and every word in a script other than Latin (the English
+  embedder cannot tell two such questions apart);
 - argument order: "Is Python faster than Java?" and "Is Java faster than Python?" share every word
   (similarity 0.99) and have opposite answers. The arguments of a text (its names, its numbers and
   the words either side of a relation word: than, to, into, from, vs, ...) are kept in order of
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from dataclasses import dataclass
 
 GUARD_VERSION = "g2"  # in the semantic scope: bump when key terms change form or meaning
@@ -99,7 +101,9 @@ _COMMON = _words(
     "fix debug refactor optimize optimise rewrite improve review outline draft plan run try"
 )
 
-_WORD = re.compile(r"`[^`]*`|\"[^\"]*\"|[A-Za-z_][\w.']*[\w]|[A-Za-z]|\d+(?:[.,]\d+)*|[<>=!+\-*/%&|^~]{1,3}")
+_WORD = re.compile(
+    r"`[^`]*`|\"[^\"]*\"|[A-Za-z_][\w.']*[\w]|[A-Za-z]|\d+(?:[.,]\d+)*|[<>=!+\-*/%&|^~]{1,3}|[^\W\d_]+"
+)
 _SENTENCE_END = re.compile(r"[.!?:;\n]\s*$")
 _OPERATORS = re.compile(r"^[<>=!+\-*/%&|^~]{1,3}$")
 _IDENT = re.compile(r"_|[a-z][A-Z]|\w\.\w")
@@ -166,7 +170,7 @@ def key_terms(text: str) -> KeyTerms:
         preceding = text[max(0, m.start() - 3) : m.start()]
         if m.start() > 0 and _SENTENCE_END.search(preceding):
             sentence_start = True
-        if tok[0] in '`"':
+        if tok[0] in '`"' or not _latin(tok):
             names.add(tok.lower())
             order.append(tok.lower())
             words.append(tok.lower())
@@ -260,6 +264,14 @@ def _in_order(args: list[str], text: str) -> tuple[str, ...]:
 def _first(low: str, arg: str) -> int:
     m = re.search(r"(?<![\w.])" + re.escape(arg) + r"(?![\w])", low)
     return m.start() if m else low.find(arg)
+
+
+def _latin(tok: str) -> bool:
+    """Every letter Latin. MiniLM is an English model: it reads the CJK characters it has no token for
+    as one unknown token ("什么是递归" and "什么是闭包", what is recursion / a closure, embed at 1.000)
+    and Hangul or Arabic hardly better (0.96, 0.93 for two different questions), so a word in another
+    script is compared as a name is, exactly."""
+    return all(unicodedata.name(c, "").startswith("LATIN") for c in tok if c.isalpha())
 
 
 def _is_letter(bare: str, after: str) -> bool:
