@@ -16,8 +16,9 @@ this bug). Paraphrases reword the ordinary words; near misses change one of thes
 - named things: capitalised words outside the sentence-initial position (or sentence-initial words
   that are not common English), ALLCAPS, code identifiers (snake_case, camelCase, dotted.names),
   single letters (variables, options: "option a" and "option b" embed at 0.87), quoted or
-  back-ticked strings, operator symbols, and every word in a script other than Latin (the English
-  embedder cannot tell two such questions apart);
+  back-ticked strings, operator symbols and every other symbol (math, currency, emoji: MiniLM
+  reads most of them as one unknown token), and every word in a script other than Latin (the
+  English embedder cannot tell two such questions apart);
 - argument order: "Is Python faster than Java?" and "Is Java faster than Python?" share every word
   (similarity 0.99) and have opposite answers. The arguments of a text (its names, its numbers and
   the words either side of a relation word: than, to, into, from, vs, ...) are kept in order of
@@ -102,7 +103,7 @@ _COMMON = _words(
 )
 
 _WORD = re.compile(
-    r"`[^`]*`|\"[^\"]*\"|[A-Za-z_][\w.']*[\w]|[A-Za-z]|\d+(?:[.,]\d+)*|[<>=!+\-*/%&|^~]{1,3}|[^\W\d_]+"
+    r"`[^`]*`|\"[^\"]*\"|[A-Za-z_][\w.']*[\w]|[A-Za-z]|\d+(?:[.,]\d+)*|[<>=!+\-*/%&|^~]{1,3}|[^\W\d_]+|[^\w\s]"
 )
 _SENTENCE_END = re.compile(r"[.!?:;\n]\s*$")
 _OPERATORS = re.compile(r"^[<>=!+\-*/%&|^~]{1,3}$")
@@ -165,6 +166,7 @@ def key_terms(text: str) -> KeyTerms:
     prefixed: set[tuple[str, str]] = set()
     words: list[str] = []  # words, numbers and quoted strings, lowercased: the relations' neighbours
     relations: list[int] = []  # indexes into words
+    text = unicodedata.normalize("NFKC", text)  # "x²" is "x2", full-width "ｘ" is "x"
     for m in _WORD.finditer(text):
         tok = m.group()
         preceding = text[max(0, m.start() - 3) : m.start()]
@@ -181,6 +183,10 @@ def key_terms(text: str) -> KeyTerms:
         elif _OPERATORS.match(tok):
             if tok not in ("-",):  # a hyphen between words is not an operator
                 names.add(tok)
+        elif not tok[0].isalpha():  # one character: a symbol names something, punctuation nothing
+            if unicodedata.category(tok)[0] == "S" or tok in "#@":  # "≤"/"≥", "€"/"$", emoji: 1.000 apart
+                names.add(tok)
+                order.append(tok)
         else:
             word = tok.lower().rstrip("'").removesuffix("'s")
             bare = word.replace("'", "")

@@ -147,6 +147,23 @@ OTHER_SCRIPTS = [
 ]
 
 
+SYMBOLS = [
+    ("is 5 ≤ 3", "is 5 ≥ 3"),  # 0.90
+    ("what does 😂 mean", "what does 😭 mean"),  # 1.000: one unknown token each
+    ("what is ∑", "what is ∏"),  # 1.000
+    ("convert 5 € to $", "convert 5 $ to €"),  # 0.99
+    ("is ∅ a subset of A", "is A a subset of ∅"),  # 0.96
+    ("what is x²", "what is x³"),
+    ("how do I read a file in c", "how do I read a file in c#"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SYMBOLS)
+def test_guard_compares_symbols_exactly(a: str, b: str) -> None:
+    assert not compatible(key_terms(a), key_terms(b))
+    assert compatible(key_terms(a), key_terms(a + "?"))
+
+
 @pytest.mark.parametrize(("a", "b"), OTHER_SCRIPTS)
 def test_guard_compares_words_of_other_scripts_exactly(a: str, b: str) -> None:
     assert not compatible(key_terms(a), key_terms(b))
