@@ -184,7 +184,9 @@ def key_terms(text: str) -> KeyTerms:
             if tok not in ("-",):  # a hyphen between words is not an operator
                 names.add(tok)
         elif not tok[0].isalpha():  # one character: a symbol names something, punctuation nothing
-            if unicodedata.category(tok)[0] == "S" or tok in "#@":  # "≤"/"≥", "€"/"$", emoji: 1.000 apart
+            if (
+                unicodedata.category(tok)[0] == "S" or tok in "#@()[]{}"
+            ):  # "≤"/"≥", "€"/"$", emoji: 1.000 apart
                 names.add(tok)
                 order.append(tok)
         else:

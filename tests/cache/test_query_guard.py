@@ -155,6 +155,7 @@ SYMBOLS = [
     ("is ∅ a subset of A", "is A a subset of ∅"),  # 0.96
     ("what is x²", "what is x³"),
     ("how do I read a file in c", "how do I read a file in c#"),
+    ("explain: x = [] if y else {}", "explain: x = {} if y else []"),  # 0.97: brackets, in order
 ]
 
 
