@@ -206,7 +206,8 @@ def key_terms(text: str) -> KeyTerms:
             if polar is not None:
                 polarity.add(polar)
             for part in _PARTS.findall(bare):  # "case-insensitive" splits at the hyphen already
-                seen.add(part)
+                if len(part) >= _MIN_STEM:  # shorter words are never looked up
+                    seen.add(part)
                 prefixed.update((part, stem) for stem in _negated_stems(part))
             if _is_name(tok, sentence_start, bare) or _is_letter(bare, text[m.end() :]):
                 names.add(bare)
