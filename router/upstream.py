@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -45,6 +46,13 @@ from router.faults import (
     malformed,
     normalise_error,
 )
+
+# The most of one SSE line, and of one event's data, read from an upstream (an OpenAI chunk is a few
+# KB; an upstream that ignores `stream` and answers one JSON body, a whole generation, is still one
+# line). Past it the upstream is at fault: unbounded, one event of 400 MB held ~1.7 GB for 2 s, and a
+# line that never ends was read until timeout_s.
+MAX_EVENT_BYTES = 16 << 20
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 FORWARDED_HEADERS = ("traceparent", "tracestate", "x-request-id")  # W3C trace context and our id
 OUR_FIELDS = ("speculative", "stream_granularity")  # specgate extensions an upstream would refuse
@@ -120,13 +128,44 @@ class Rewrite:
         return chunk
 
 
+def _too_large(upstream: str) -> UpstreamBadResponse:
+    return UpstreamBadResponse(upstream, f"an event over {MAX_EVENT_BYTES} bytes")
+
+
+async def sse_lines(chunks: AsyncIterator[bytes], upstream: str) -> AsyncIterator[str]:
+    """SSE's lines, ended by CR, LF or CRLF and nothing else, each at most ``MAX_EVENT_BYTES``.
+    httpx's ``aiter_lines`` ends a line wherever ``str.splitlines`` does, at U+2028, U+2029, U+0085
+    and the C0 separators too, which JSON carries raw inside a string (pydantic's JSON, vLLM's, and
+    ``ensure_ascii=False``'s, ours): an answer holding one broke mid-stream as invalid JSON. Lines are
+    cut on bytes, then decoded whole, so a character split between chunks is safe."""
+    buf = bytearray()
+    after_cr = False  # the last chunk ended in CR: an LF opening this one completes that CRLF
+    async for chunk in chunks:
+        if not chunk:
+            continue
+        if after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        after_cr = chunk.endswith(b"\r")
+        start = 0
+        for end in _LINE_END.finditer(chunk):
+            buf += chunk[start : end.start()]
+            start = end.end()
+            yield buf.decode("utf-8", "replace")
+            buf.clear()
+        buf += chunk[start:]
+        if len(buf) > MAX_EVENT_BYTES:
+            raise _too_large(upstream)
+    if buf:
+        yield buf.decode("utf-8", "replace")
+
+
 class UpstreamStream:
     """The upstream's SSE as chunk dicts. Made by `UpstreamClient.open_stream`, first event in hand."""
 
     def __init__(self, client: UpstreamClient, resp: httpx.Response, rewrite: Rewrite, started: float):
         self._client, self._resp, self._rewrite = client, resp, rewrite
         self.upstream = client.name  # who to blame in errors about what it sent
-        self._lines = resp.aiter_lines()  # decodes UTF-8 incrementally: split characters are safe
+        self._lines = sse_lines(resp.aiter_bytes(), client.name)
         self._first: dict[str, Any] | None = None
         self._done = False
         self._unfinished: set[int] | None = (
@@ -150,6 +189,7 @@ class UpstreamStream:
 
     async def _read_event(self) -> dict[str, Any] | None:
         data: list[str] = []
+        size = 0
         async for line in self._lines:
             if line.startswith(":"):
                 continue  # comment / keep-alive
@@ -164,6 +204,9 @@ class UpstreamStream:
             field, _, value = line.partition(":")
             if field == "data":
                 data.append(value[1:] if value.startswith(" ") else value)
+                size += len(data[-1])
+                if size > MAX_EVENT_BYTES:  # an event of many data lines
+                    raise _too_large(self._client.name)
         if data:  # a last event without its blank line
             payload = "\n".join(data)
             if payload.strip() == "[DONE]":

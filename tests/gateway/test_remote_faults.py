@@ -14,6 +14,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import load_settings
+from router.upstream import MAX_EVENT_BYTES
 from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.servers import free_port
 
@@ -536,3 +537,101 @@ async def test_an_upstreams_429_is_not_charged_to_the_clients_rate_limit(upstrea
     assert served.status_code == 200, served.text
     assert upstream.requests == 2  # the third is the key's own limit, refused here
     assert limited.status_code == 429 and "upstream" not in limited.json()["error"]["message"]
+
+
+def raw_stream(events: list[dict[str, Any]], eol: bytes = b"\n") -> Action:
+    """A 200 stream of ``events`` as a server writes them with raw UTF-8 (pydantic's and
+    ``ensure_ascii=False``'s JSON: vLLM's, and the gateway's own), each line ended by ``eol``."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" + CLOSE
+        )
+        lines = [b"data: " + json.dumps(e, ensure_ascii=False).encode() for e in events] + [b"data: [DONE]"]
+        for line in lines:
+            piece = line + eol + eol
+            for part in (piece[: len(piece) - 1], piece[-1:]):  # an eol split between two chunks too
+                w.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await w.drain()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    return act
+
+
+TEXT = "line one\u2028two\u2029three\x85four"  # separators str.splitlines knows and SSE does not
+ENDINGS = {"LF": b"\n", "CRLF": b"\r\n", "CR": b"\r"}
+
+
+@pytest.mark.parametrize("eol", ENDINGS.values(), ids=ENDINGS.keys())
+@pytest.mark.parametrize("stream_", [True, False], ids=["stream", "whole"])
+async def test_text_holding_unicode_line_separators_passes_through(
+    upstream: RawUpstream, gateway: str, eol: bytes, stream_: bool
+) -> None:
+    """httpx's aiter_lines ends a line wherever str.splitlines does (U+2028, U+2029, U+0085 and
+    more), which JSON leaves raw inside a string: such an answer broke mid-stream
+    ("invalid JSON (Unterminated string)") or was a 502. SSE ends lines at CR, LF and CRLF only."""
+    upstream.actions = [raw_stream([chunk({"role": "assistant", "content": ""}), chunk({"content": TEXT}),
+                                    chunk({}, "stop")], eol)]  # fmt: skip
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+    assert r.status_code == 200, r.text
+    if stream_:
+        events = data_events(r.text)
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    else:
+        text = r.json()["choices"][0]["message"]["content"]
+    assert text == TEXT
+
+
+def endless_event(up: RawUpstream, first: bool) -> Action:
+    """An event that never ends: data without a line end, more than the gateway reads of one event,
+    then the connection held open (nothing would end the read but timeout_s)."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" + CLOSE
+        )
+        head = b"" if first else b"data: " + json.dumps(chunk({"content": "Hi"})).encode() + b"\n\n"
+        head += b'data: {"choices": [{"index": 0, "delta": {"content": "'
+        w.write(b"%x\r\n%s\r\n" % (len(head), head))
+        blob = b"x" * (1 << 20)
+        try:
+            for _ in range((MAX_EVENT_BYTES >> 20) + 2):
+                w.write(b"%x\r\n%s\r\n" % (len(blob), blob))
+                await w.drain()
+            while await r.read(1024):
+                pass
+        except ConnectionError:
+            pass  # the gateway hung up while this still wrote (unread data: a reset)
+        up.closed_by_gateway.set()
+
+    return act
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first event", "mid-stream"])
+async def test_an_event_past_the_size_limit_is_the_upstreams_fault(
+    upstream: RawUpstream, first: bool
+) -> None:
+    """An upstream's event was read whole, however long, until timeout_s passed between events: one
+    event of 400 MB held ~1.7 GB of the gateway's memory for 2 s, and at the default 60 s any
+    upstream sending bytes without a line end could take the process down, every tenant with it."""
+    base, server, task = await serve_gateway(upstream, timeout_s=600)
+    try:
+        upstream.actions = [endless_event(upstream, first)]
+        async with httpx.AsyncClient(timeout=None) as c:
+            body = {**CHAT, "model": "up-model", "stream": not first}
+            r = await asyncio.wait_for(c.post(base + "/chat/completions", json=body), 120)  # not 600 s
+        if first:  # before the first byte: the upstream's fault, and the route falls back (none here)
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "upstream_bad_response"
+        else:
+            events = data_events(r.text)
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert err["code"] == "upstream_stream_broken" and "over" in err["message"], err
+        await asyncio.wait_for(upstream.closed_by_gateway.wait(), 30)
+    finally:
+        server.should_exit = True
+        await task
