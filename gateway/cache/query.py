@@ -94,11 +94,14 @@ def _digest(s: str) -> str:
 
 
 def _canon(value: Any) -> Any:
-    """NFC strings, numbers as floats (0 == 0.0), None-valued keys dropped, mappings sorted later."""
+    """NFC strings, numbers as floats (0 == 0.0; integers past 2**53 as their digits), None-valued keys
+    dropped, mappings sorted later."""
     if isinstance(value, str):
         return unicodedata.normalize("NFC", value)
     if isinstance(value, bool) or value is None:
         return value
+    if isinstance(value, int) and abs(value) > 2**53:
+        return str(value)  # past float64's integers: seeds 2**62 and 2**62 + 1 were one key
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, Mapping):

@@ -33,6 +33,8 @@ def test_output_changing_fields_split_the_key() -> None:
         {**BASE, "max_tokens": 5},
         {**BASE, "stop": "x"},
         {**BASE, "seed": 3},
+        {**BASE, "seed": 2**62},  # the seeds beyond float64's integers (its step is 1024 here) differ,
+        {**BASE, "seed": 2**62 + 1},  # and so do their samples: one's replayed for the other's was wrong
         {**BASE, "n": 2},
         {**BASE, "top_k": 5},
         {**BASE, "frequency_penalty": 0.2},
