@@ -285,8 +285,15 @@ async def _events(
         note_stream_error(event)  # a failure the 200 hides, for the span, the log line and metrics
         yield json.dumps(event)
     finally:
-        if isinstance(deltas, AsyncGenerator):
-            await deltas.aclose()
-        await gen.aclose()
-        done()
+        # shielded: on a disconnect sse-starlette cancels this body's task group, and anyio then
+        # cancels again at every await, so a close that waits (the local backend gathering its
+        # choices' tasks, an upstream's connection) ended this block there: the stream was not
+        # charged to the key, and half the streams cut by their client logged prompt_tokens=0
+        with anyio.CancelScope(shield=True):
+            try:
+                if isinstance(deltas, AsyncGenerator):
+                    await deltas.aclose()
+                await gen.aclose()
+            finally:
+                done()
     yield "[DONE]"
