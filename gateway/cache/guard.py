@@ -70,7 +70,9 @@ _POLARITY = _words(
     "static dynamic local global stack heap shallow deep absolute relative explicit implicit "
     "singular plural head tail inner outer prepend append plus minus multiply divide addition "
     "subtraction multiplication division up down short shorter long longer soft hard light dark strong weak "
-    "lazy eager inclusive exclusive yesterday tomorrow"
+    "lazy eager inclusive exclusive yesterday tomorrow good bad better worse big small large tall heavy thick "
+    "thin wide narrow high low full empty same different similar cheap expensive easy difficult simple complex "
+    "happy sad rich poor pros cons success failure love hate correct wrong safe dangerous"
 )
 # Words that relate the argument before them to the one after: their order is the question.
 _RELATIONS = _words("than to into onto from vs versus over against toward towards via instead rather")

@@ -133,6 +133,7 @@ NEGATED_OR_OPPOSITE = [
     ("Give me a synonym for happy", "Give me an antonym for happy"),
     ("git reset --soft HEAD~1", "git reset --hard HEAD~1"),  # similarity 0.96
     ("write a poem about the sea", "write a short poem about the sea"),  # 0.97
+    ("is coffee good for you", "is coffee bad for you"),  # 0.93
     ("option a", "option b"),  # 0.87: a conversation's choice between options
     ("go with a", "go with b"),
     ("use x", "use y"),
