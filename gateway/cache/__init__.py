@@ -19,10 +19,11 @@ Tiers, in order:
 - semantic: chat only, when the final user text is short and answered in a new assistant turn, the
   request has no tools, and its temperature is at most ``semantic_max_temperature`` (0 by default);
   a continuation (legacy completions, ``continue_final_message``, ``add_generation_prompt: false``)
-  is exact-only, since another text, however close, continues differently. Scope = everything the exact key holds
-  except that final text, so tenant, model, system prompt, earlier turns and sampling parameters
-  must all match; within the scope, LSH buckets give candidates, exact cosine re-ranks them, and
-  ``guard`` refuses matches whose negations, numbers, polarity words or names differ.
+  is exact-only, since another text, however close, continues differently. Scope = everything the
+  exact key holds except that final text, so tenant, model, system prompt, earlier turns and
+  sampling parameters must all match; within the scope, LSH buckets give candidates, exact cosine re-ranks them, and
+  ``guard`` refuses matches whose negations, numbers, polarity words or names differ (it keeps
+  those key terms as digests keyed by tenant: Redis holds no word of a prompt).
 
 Per-request control: ``Cache-Control: no-cache`` (skip the lookup) and ``no-store`` (skip the write)
 request headers, and a ``cache`` body field ``{"no_cache": bool, "no_store": bool, "ttl": seconds}``.
@@ -32,7 +33,8 @@ sampled ones (temperature > 0, no seed: each call asks for a fresh sample) unles
 Failure model: the cache fails open. A Redis error or a call slower than ``timeout_ms`` is a miss
 or a skipped write; after ``breaker_failures`` in a row the circuit opens and calls are skipped
 without touching the network until one probe succeeds ``breaker_cooldown_s`` later. Until the
-embedder has loaded (or if it cannot), the cache is exact-only.
+embedder has loaded (or if it cannot), the cache is exact-only; an embedding slower than
+``embed_timeout_ms`` (queued behind others, or a wedged thread) is a semantic miss.
 
 Exceptions: only ``CacheControlError`` (a ValueError, from ``query``) reaches the caller, for a
 malformed ``cache`` field: the gateway answers 400 with ``param="cache"``.

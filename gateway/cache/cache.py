@@ -204,7 +204,10 @@ class ResponseCache:
             and self.embedder is not None
             and self.settings.semantic
         ):
-            q.embedding = await self.embedder.embed(q.semantic_text)
+            # a queued embedding cancelled here never runs (one already running finishes unread)
+            q.embedding = await asyncio.wait_for(
+                self.embedder.embed(q.semantic_text), self.settings.embed_timeout_ms / 1000
+            )
         return q.embedding
 
     def _scope(self, q: CacheQuery) -> str:
@@ -225,7 +228,11 @@ class ResponseCache:
                 return False
             ttl = min(q.controls.ttl_s or ttl_s or self.settings.ttl_s, self.settings.max_ttl_s)
             semantic = None
-            vec = await self._embed(q)
+            try:
+                vec = await self._embed(q)
+            except Exception as exc:  # no embedding: the answer is still stored for the exact tier
+                log.debug("cache store without its embedding: %s", exc)
+                vec = None
             if vec is not None:
                 terms = guard.key_terms(q.semantic_text or "").hashed(q.tenant)  # digests, never the text
                 feats = json.dumps(terms.to_json(), separators=(",", ":"))

