@@ -97,8 +97,11 @@ def from_validation(exc: ValidationError) -> APIError:
 
 
 def to_api_error(exc: BaseException, prompt_param: str = "messages", retry_after: int = 1) -> APIError:
-    """Map any exception raised while serving a request (the one translation point)."""
+    """Map any exception raised while serving a request (the one translation point). A 429 or
+    503 always says when to retry: an upstream's, passed on, may have come without Retry-After."""
     if isinstance(exc, APIError):
+        if exc.status in (429, 503) and not any(k.lower() == "retry-after" for k in exc.headers):
+            exc.headers = {**exc.headers, "Retry-After": str(retry_after)}
         return exc
     if isinstance(exc, ValidationError):
         return from_validation(exc)

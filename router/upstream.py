@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import email.utils
 import json
+import math
 import os
 import random
 import re
@@ -91,10 +94,24 @@ def _retry_reason(exc: UpstreamError) -> str:
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
+    """The upstream's Retry-After in seconds: delay-seconds, or an HTTP date (RFC 9110 allows both;
+    a date was read as none, and the client was told nothing)."""
+    value = resp.headers.get("retry-after")
+    if value is None:
+        return None
     try:
-        return float(resp.headers["retry-after"])
-    except (KeyError, ValueError):
-        return None  # absent, or an HTTP date, which upstreams do not send in practice
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:  # "inf" and "nan" parse, and were a 500 where the header was written back
+        return max(0.0, seconds) if math.isfinite(seconds) else None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # an obsolete date form without a zone: HTTP dates are GMT
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
 
 
 def encode_event(obj: Mapping[str, Any]) -> bytes:

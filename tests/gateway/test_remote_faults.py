@@ -4,6 +4,8 @@ exactly the bytes each test scripts, and the gateway served by uvicorn in this p
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -632,6 +634,48 @@ async def test_an_event_past_the_size_limit_is_the_upstreams_fault(
             err = json.loads(events[-2])["error"]
             assert err["code"] == "upstream_stream_broken" and "over" in err["message"], err
         await asyncio.wait_for(upstream.closed_by_gateway.wait(), 30)
+    finally:
+        server.should_exit = True
+        await task
+
+
+def http_date(seconds_ahead: float) -> bytes:
+    when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=seconds_ahead)
+    return email.utils.format_datetime(when, usegmt=True).encode()
+
+
+BUSY = {  # the upstream's answer, our status, the least Retry-After the client may be told
+    "429 without Retry-After": (status(429), 429, 1),
+    "503 without Retry-After": (status(503), 503, 1),
+    "429 with an HTTP date": (status(429, headers=b"retry-after: " + http_date(600) + b"\r\n"), 429, 500),
+    "429 with an infinite one": (status(429, headers=b"retry-after: inf\r\n"), 429, 1),
+    "503 with nan": (status(503, headers=b"retry-after: nan\r\n"), 503, 1),
+}
+
+
+@pytest.mark.parametrize(("action", "code", "least"), BUSY.values(), ids=BUSY.keys())
+@pytest.mark.parametrize("stream_", [False, True], ids=["whole", "stream"])
+async def test_an_upstreams_busy_answer_always_says_when_to_retry(
+    upstream: RawUpstream, gateway: str, action: Action, code: int, least: int, stream_: bool
+) -> None:
+    """A 429 or 503 is answered with Retry-After (OPENAI-CONTRACT: the SDK and proxies pace their
+    retries by it): an upstream's without the header, or with an HTTP date (RFC 9110's other form,
+    which was read as none), came back without one."""
+    upstream.actions = [action]
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+    assert r.status_code == code, r.text
+    assert int(r.headers["retry-after"]) >= least
+
+
+async def test_an_upstream_refusing_connections_is_a_503_with_retry_after() -> None:
+    up = RawUpstream()  # never started: nothing listens on its port
+    base, server, task = await serve_gateway(up)
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(base + "/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+        assert int(r.headers["retry-after"]) >= 1
     finally:
         server.should_exit = True
         await task
