@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.util.http import ExcludeList
 
 from gateway.observability.logs import RequestLogger
 from gateway.observability.metrics import Metrics
@@ -58,8 +59,11 @@ __all__ = [
     "observe_job",
 ]
 
-# Scrapes and probes get no spans (they would drown the traces); they are still counted.
-UNTRACED = "/metrics,/health,/ready,/dashboard"
+# Scrapes and probes get no spans (they would drown the traces); they are still counted. The
+# instrumentation searches these regexes anywhere in ``scheme://host/path`` (the Host header's host):
+# unanchored, every request to a host named ``healthbot...`` or ``metrics-gw``, or whose path held
+# ``/ready``, went untraced. So: the whole path, after the host.
+UNTRACED = ExcludeList([r"^[a-z]+://[^/]*/(metrics|health|ready|dashboard)$"])
 
 
 class Observability:

@@ -250,3 +250,31 @@ async def test_the_server_span_keeps_no_query_string_and_a_bounded_path(
     assert CANARY not in text and len(text) < 5_000
     assert spans[1].attributes["http.url"] == "http://gw/v1/models"
     assert spans[1].attributes["http.target"] == "/v1/models"
+
+
+@pytest.mark.parametrize(
+    ("host", "path"),
+    [
+        ("healthbot.internal", "/v1/chat/completions"),  # a deployment's own name
+        ("metrics-gw:8000", "/v1/chat/completions"),
+        ("gw", "/v1/models/ready"),  # a client's path that holds an untraced one
+        ("gw", "/v1/models/x/metrics"),
+    ],
+)
+async def test_only_the_probe_and_scrape_paths_go_untraced(
+    provider: TracerProvider, exporter: InMemorySpanExporter, host: str, path: str
+) -> None:
+    """Untraced URLs were regexes searched anywhere in ``scheme://host/path``: every request to a
+    host named ``healthbot...`` or ``metrics-gw`` (the Host header's, a client's to set) went
+    untraced, and so did any path holding ``/ready`` or ``/metrics``."""
+    obs = Observability(tracer_provider=provider, models=["tiny"])
+    app = make_app(obs, ScriptedEngine(STEPS))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=f"http://{host}") as c:
+        if path == "/v1/chat/completions":
+            await c.post(path, json=_body())
+        else:
+            await c.get(path)
+        for probe in ("/metrics", "/health", "/ready", "/dashboard"):
+            await c.get(probe)
+    servers = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert [s.attributes["http.target"] for s in servers] == [path]
