@@ -357,6 +357,9 @@ def create_app(
     if state.cache is not None:
         state.cache.count_prompt = lambda job: _count_prompt(state, job)
         state.cache.default_max_tokens = _default_max_tokens(settings)
+        state.cache.model_sources = {u.model: f"{u.base_url} {u.model}" for u in settings.upstreams} | {
+            m.name: m.source for m in settings.models
+        }
     if engine is not None:
         state.backend = LocalBackend(obs.observe_engine(engine), _default_max_tokens(settings))
 

@@ -126,6 +126,7 @@ class GatewayCache:
         cache: ResponseCache,
         count_prompt: PromptCounter | None = None,
         default_max_tokens: int | None = None,
+        model_sources: Mapping[str, str] | None = None,
     ):
         self.cache = cache
         # a semantic hit answers a paraphrase, whose prompt is not the stored one's: its usage counts
@@ -136,6 +137,9 @@ class GatewayCache:
         # max_max_tokens): part of such a request's key, so gateways with other defaults sharing a
         # Redis (a rolling deploy of a new one) never replay an answer cut at theirs
         self.default_max_tokens = default_max_tokens
+        # what serves each model name (a local model's source, an upstream's URL and model): in the
+        # key, so answers stored under a name stop matching once other weights serve it
+        self.model_sources: dict[str, str] = dict(model_sources or {})
 
     @classmethod
     def from_settings(
@@ -171,6 +175,8 @@ class GatewayCache:
         body = job_body(job)
         if job.max_tokens is None and self.default_max_tokens is not None:
             body["default_max_tokens"] = self.default_max_tokens
+        if job.model in self.model_sources:
+            body["model_source"] = self.model_sources[job.model]
         try:
             q = self.cache.query(
                 {**body, **extra}, tenant=job.tenant, endpoint=_endpoint(job), headers=headers

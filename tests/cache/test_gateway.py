@@ -327,3 +327,39 @@ async def test_an_answer_cut_at_another_default_limit_is_not_replayed(
         if keys:
             await redis.delete(*keys)
         await redis.aclose()
+
+
+async def test_a_model_name_served_by_other_weights_does_not_share_answers(
+    redis_server: RedisProcess, embedder: SentenceEmbedder
+) -> None:
+    """The key names the model a client asked for; the weights behind that name are the gateway's
+    configuration. A gateway that serves `fake` from other weights (an upgrade under the same name, a
+    replica on a new release, sharing the Redis) must not replay the old weights' answers."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    apps, engines = [], []
+    for source in ("old-weights", "new-weights", "new-weights"):
+        settings = load_settings(
+            overrides={
+                "models": [{"name": "fake", "source": source}],
+                "cache": {"redis_url": redis_server.url, "key_prefix": prefix, "timeout_ms": 2000},
+            },
+            env={},
+        )
+        engines.append(ScriptedEngine([token_ids("Use "), token_ids("reversed().")]))
+        apps.append(create_app(settings, engine=engines[-1]))  # type: ignore[arg-type]
+        apps[-1].state.gateway.cache.cache.embedder = embedder
+    try:
+        for i, app in enumerate(apps):
+            async with client(app) as c:
+                r = await c.post("/v1/chat/completions", json=GREEDY)
+                await drained(app)
+                assert r.headers["x-specgate-cache"] == ("exact; similarity=1.0000" if i == 2 else "miss"), i
+        assert [len(e.requests) for e in engines] == [1, 1, 0], "the same weights share their answers"
+    finally:
+        for app in apps:
+            await app.state.gateway.cache.cache.entries.close()
+        redis = aioredis.Redis.from_url(redis_server.url)
+        keys = [k async for k in redis.scan_iter(f"{prefix}:*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
