@@ -19,6 +19,7 @@ this bug). Paraphrases reword the ordinary words; near misses change one of thes
   back-ticked strings, operator symbols and every other symbol (math, currency, emoji: MiniLM
   reads most of them as one unknown token), and every word in a script other than Latin (the
   English embedder cannot tell two such questions apart);
+- layout: where a line is indented (code), every line's indent, compared exactly;
 - argument order: "Is Python faster than Java?" and "Is Java faster than Python?" share every word
   (similarity 0.99) and have opposite answers. The arguments of a text (its names, its numbers and
   the words either side of a relation word: than, to, into, from, vs, ...) are kept in order of
@@ -38,7 +39,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-GUARD_VERSION = "g2"  # in the semantic scope: bump when key terms change form or meaning
+GUARD_VERSION = "g3"  # in the semantic scope: bump when key terms change form or meaning
 
 
 def _words(text: str) -> frozenset[str]:
@@ -122,12 +123,13 @@ class KeyTerms:
     order: tuple[str, ...] | None = ()
     words: tuple[str, ...] = ()  # sorted set of the words (stems of prefixed ones are looked up here)
     prefixed: tuple[tuple[str, str], ...] = ()  # (word, stem) of words opening with a negating prefix
+    layout: tuple[int, ...] = ()  # each non-empty line's indent, where any line is indented (code)
 
     def to_json(self) -> list[object]:
         out: list[object] = [self.negations, list(self.numbers), list(self.polarity), list(self.names)]
         if self.order is None:
             return out
-        return [*out, list(self.order), list(self.words), [list(p) for p in self.prefixed]]
+        return [*out, list(self.order), list(self.words), [list(p) for p in self.prefixed], list(self.layout)]
 
     @classmethod
     def from_json(cls, raw: list[object]) -> KeyTerms:
@@ -135,7 +137,8 @@ class KeyTerms:
         order: tuple[str, ...] | None = tuple(raw[4]) if len(raw) > 4 else None  # type: ignore[arg-type]
         words = tuple(raw[5]) if len(raw) > 5 else ()  # type: ignore[arg-type]
         prefixed = tuple((str(w), str(s)) for w, s in raw[6]) if len(raw) > 6 else ()  # type: ignore[attr-defined]
-        return cls(int(neg), tuple(nums), tuple(pol), tuple(names), order, words, prefixed)  # type: ignore[arg-type, call-overload]
+        layout = tuple(int(n) for n in raw[7]) if len(raw) > 7 else ()  # type: ignore[attr-defined]
+        return cls(int(neg), tuple(nums), tuple(pol), tuple(names), order, words, prefixed, layout)  # type: ignore[arg-type, call-overload]
 
     def hashed(self, salt: str) -> KeyTerms:
         """Every term as a keyed digest (salt: the tenant): ``compatible`` compares digests as it
@@ -154,6 +157,7 @@ class KeyTerms:
             None if self.order is None else tuple(h(t) for t in self.order),
             tuple(sorted(h(t) for t in self.words)),
             tuple(sorted((h(w), h(s)) for w, s in self.prefixed)),
+            self.layout,  # indent widths: nothing of the text
         )
 
 
@@ -231,11 +235,21 @@ def key_terms(text: str) -> KeyTerms:
         _in_order(order, text),
         tuple(sorted(seen)),
         tuple(sorted(prefixed)),
+        _layout(text),
     )
 
 
 _DIGITS = re.compile(r"\d+(?:[.,]\d+)*")  # as the number tokens read them: "python3.12" has "3.12"
 _PARTS = re.compile(r"[a-z]+")
+
+
+def _layout(text: str) -> tuple[int, ...]:
+    """The indent of every non-empty line, where any line is indented: code whose lines are nested
+    otherwise is other code ("if x:\nprint(x)" fails where "if x:\n    print(x)" runs; they embed at
+    1.000). Text with no indented line has none, so prose paraphrases keep matching."""
+    lines = [line for line in text.split("\n") if line.strip()]
+    indents = tuple(len(line) - len(line.lstrip(" \t")) for line in lines)
+    return indents if any(indents) else ()
 
 
 def _polar(word: str) -> str | None:
@@ -307,7 +321,7 @@ def compatible(a: KeyTerms, b: KeyTerms) -> bool:
     """True when nothing answer-changing differs between the two texts."""
     if (a.negations, a.numbers, a.polarity, a.names) != (b.negations, b.numbers, b.polarity, b.names):
         return False
-    if _negates(a, b) or _negates(b, a):
+    if a.layout != b.layout or _negates(a, b) or _negates(b, a):
         return False
     if a.order is None or b.order is None:  # an old entry: no order to compare, so no match on one
         return len(a.order or b.order or ()) < 2

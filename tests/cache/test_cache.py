@@ -146,6 +146,7 @@ async def test_lossless_and_transport_fields_share_entries(make_cache: MakeCache
         ("Give me a synonym for happy.", "Give me an antonym for happy."),  # 0.93
         ("什么是递归？", "什么是闭包？"),  # 1.000: MiniLM has no token for these characters
         ("What does 😂 mean?", "What does 😭 mean?"),  # 1.000, as for most symbols
+        ("Why does this fail?\nif x:\nprint(x)", "Why does this fail?\nif x:\n    print(x)"),  # 1.000
     ],
 )
 async def test_guard_refuses_near_misses(make_cache: MakeCache, stored: str, asked: str) -> None:

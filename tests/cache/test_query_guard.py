@@ -168,6 +168,24 @@ def test_guard_compares_symbols_exactly(a: str, b: str) -> None:
     assert compatible(key_terms(a), key_terms(a + "?"))
 
 
+CODE_LAYOUT = [
+    ("Why does this fail?\nif x:\nprint(x)", "Why does this fail?\nif x:\n    print(x)"),  # 1.000
+    (  # 0.97: the print left the loop
+        "What does this print?\nfor i in range(3):\n    pass\nprint(i)",
+        "What does this print?\nfor i in range(3):\n    print(i)",
+    ),
+    ("What's wrong here?\ndef f():\nreturn total", "What's wrong here?\ndef f():\n\treturn total"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), CODE_LAYOUT)
+def test_guard_compares_the_layout_of_code(a: str, b: str) -> None:
+    assert not compatible(key_terms(a), key_terms(b))
+    assert not compatible(key_terms(a).hashed("t"), key_terms(b).hashed("t"))
+    assert compatible(key_terms(b), key_terms(b + "\n\n")), "blank lines are no layout"
+    assert KeyTerms.from_json(key_terms(b).to_json()) == key_terms(b)
+
+
 @pytest.mark.parametrize(("a", "b"), OTHER_SCRIPTS)
 def test_guard_compares_words_of_other_scripts_exactly(a: str, b: str) -> None:
     assert not compatible(key_terms(a), key_terms(b))
