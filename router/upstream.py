@@ -55,6 +55,10 @@ from router.faults import (
 # line). Past it the upstream is at fault: unbounded, one event of 400 MB held ~1.7 GB for 2 s, and a
 # line that never ends was read until timeout_s.
 MAX_EVENT_BYTES = 16 << 20
+# The most of an error answer's body read, as of an event (its fields are kept, its message cut to
+# 1,000 characters, so it is parsed whole where it fits): read unbounded, a body that never ended
+# held the request until timeout_s.
+MAX_ERROR_BYTES = MAX_EVENT_BYTES
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 FORWARDED_HEADERS = ("traceparent", "tracestate", "x-request-id")  # W3C trace context and our id
@@ -343,7 +347,11 @@ class UpstreamClient:
         return self._http.build_request("POST", path.lstrip("/"), json=payload, headers=fwd)
 
     async def _status_error(self, resp: httpx.Response) -> UpstreamError:
-        raw = await resp.aread()
+        raw = bytearray()
+        async for chunk in resp.aiter_bytes():
+            raw += chunk
+            if len(raw) >= MAX_ERROR_BYTES:
+                break
         await resp.aclose()
         try:
             payload: Any = json.loads(raw)

@@ -16,7 +16,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import load_settings
-from router.upstream import MAX_EVENT_BYTES
+from router.upstream import MAX_ERROR_BYTES, MAX_EVENT_BYTES
 from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.servers import free_port
 
@@ -676,6 +676,38 @@ async def test_an_upstream_refusing_connections_is_a_503_with_retry_after() -> N
             r = await c.post(base + "/chat/completions", json=CHAT)
         assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable", r.text
         assert int(r.headers["retry-after"]) >= 1
+    finally:
+        server.should_exit = True
+        await task
+
+
+def endless_error(up: RawUpstream) -> Action:
+    """A 500 whose body is longer than anything worth reading and never ends."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 500 X\r\ncontent-type: application/json\r\ncontent-length: 999999999\r\n" + CLOSE)
+        w.write(b'{"error": {"message": "' + b"x" * (MAX_ERROR_BYTES * 2))
+        try:
+            await w.drain()
+            while await r.read(1024):
+                pass
+        except ConnectionError:
+            pass
+        up.closed_by_gateway.set()
+
+    return act
+
+
+async def test_an_error_body_is_read_no_further_than_its_message(upstream: RawUpstream) -> None:
+    """An upstream's error body was read whole before the gateway answered: one that never ended
+    held the request until timeout_s (600 s here), then a 504 in place of the upstream's 502."""
+    base, server, task = await serve_gateway(upstream, timeout_s=600)
+    try:
+        upstream.actions = [endless_error(upstream)]
+        async with httpx.AsyncClient(timeout=None) as c:
+            r = await asyncio.wait_for(c.post(base + "/chat/completions", json=CHAT), 120)
+        assert r.status_code == 502 and len(r.json()["error"]["message"]) < 2_000, r.text[:300]
+        await asyncio.wait_for(upstream.closed_by_gateway.wait(), 30)
     finally:
         server.should_exit = True
         await task
