@@ -21,6 +21,7 @@ from gateway.backends import (
     new_call_id,
 )
 from gateway.errors import APIError
+from gateway.observability.record import note_first_token
 from router.faults import UpstreamBadResponse, UpstreamError
 from router.upstream import UpstreamClient, UpstreamStream
 
@@ -219,6 +220,8 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                     continue  # the role chunk: our formatter writes its own
                 d.completion_tokens = 1 if d.text else 0
                 counted += d.completion_tokens
+                if d.text or d.tool_calls:
+                    note_first_token()
                 if d.finish_reason is not None:
                     held.append(d)
                 else:

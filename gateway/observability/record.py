@@ -146,6 +146,15 @@ def note_phase(phase: str, upstream: str | None = None) -> None:
         rec.upstream = upstream[:MAX_CLIENT_CHARS]
 
 
+def note_first_token() -> None:
+    """The request's first token arrived (a backend that is not the observed engine: an upstream).
+    Without it the time to first token is the first body byte's, for a request not streamed the
+    whole answer's."""
+    rec = _current.get()
+    if rec is not None:
+        rec.mark_first_token()
+
+
 def note_usage(prompt_tokens: int, completion_tokens: int) -> None:
     """The usage the response reports (local, cached or upstream alike)."""
     rec = _current.get()

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.backends import Delta, Generation, Job
+from gateway.observability.record import RequestRecord, _current
 from gateway.remote import _body, _deltas
 
 
@@ -144,3 +145,28 @@ def test_vllms_guided_decoding_goes_upstream_as_the_client_sent_it() -> None:
             assert {k: body[k] for k in guided} == guided
     plain = _body(to_job(ChatCompletionRequest(model="m", messages=msgs), "r", "anonymous", Settings()))
     assert not {k for k in plain if k.startswith("guided") or k == "structured_outputs"}
+
+
+async def test_an_upstreams_first_token_is_timed_when_it_arrives() -> None:
+    """A remote request's time to first token was its response's first byte: for a request not
+    streamed, the whole answer's time, which filled specgate_time_to_first_token_seconds (and the
+    TTFT p99 alert) with full latencies and the time per output token with zeros."""
+    job = Job(request_id="r", kind="chat", model="m", messages=[{"role": "user", "content": "x"}])
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ]
+    rec = RequestRecord("POST", "/v1/chat/completions")
+    token = _current.set(rec)
+    try:
+        gen = Generation(prompt_tokens=0, deltas=None)  # type: ignore[arg-type]
+        deltas = _deltas(ScriptedStream(events), job, gen)  # type: ignore[arg-type]
+        assert (await anext(deltas)).text == "Hel"
+        first = rec.first_token
+        assert first is not None, "the first token was not timed as it came"
+        assert [d.text async for d in deltas] == ["lo", ""]
+        assert rec.first_token == first
+    finally:
+        _current.reset(token)
