@@ -160,9 +160,11 @@ async def test_a_stream_that_finishes_is_no_stream_error(upstream: RawUpstream) 
     assert obs.metrics.value("specgate_upstream_requests_total", upstream="u", outcome="ok") == 1.0
 
 
-def test_the_error_rate_alert_and_the_errors_panel_count_stream_errors() -> None:
+def test_the_error_rate_alert_and_the_errors_panels_count_stream_errors() -> None:
     deploy = Path(__file__).resolve().parents[2] / "deploy"
     rules = yaml.safe_load((deploy / "prometheus/alerts.yml").read_text())["groups"][0]["rules"]
     (high,) = [r for r in rules if r["alert"] == "SpecgateHighErrorRate"]
     assert "specgate_stream_errors_total" in high["expr"]
     assert "specgate_stream_errors_total" in (deploy / "grafana/dashboards/specgate.json").read_text()
+    builtin = deploy.parent / "gateway/static/dashboard.html"  # /dashboard's "Errors and aborts"
+    assert "specgate_stream_errors_total" in builtin.read_text()
