@@ -96,7 +96,7 @@ class Ahead:
                 s.runner.length >= len(s.tokens) - 1 or s.prompt_logprobs is not None for s in prefilling
             ) or any(self.engine.keeps_k(s) for s in rows):
                 return
-            chunks = self.engine.prefill_chunks(prefilling, self.budget)
+            chunks = self.engine.prefill_chunks(prefilling, self.budget, self.engine.chunk_tokens)
         name = rows[0].target.name
         ks = [] if chunks else self.engine.ks_for(rows, pending=in_flight)
         if any(ks):

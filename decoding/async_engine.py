@@ -95,6 +95,8 @@ class AsyncEngine:
         self.burst_budget = max(
             self.prefill_budget, burst_budget or default_burst_budget(engine, self.prefill_budget)
         )
+        # chunks on the prefill budget's grid: a prompt is cut the same alone and under load
+        engine.chunk_tokens = self.prefill_budget
         self._inbox: collections.deque[_Pending] = collections.deque()
         self._active: dict[_Pending, Sequence] = {}
         self._aborted: set[_Pending] = set()

@@ -59,6 +59,9 @@ class Engine:
         self.population: dict[tuple[str, str], Population] = {}  # per (target, drafter): acceptance
         self.overlap: bool | None = None  # queue steps ahead (None: where the device is CUDA)
         self.ahead = Ahead(self)  # the steps queued ahead of the calls that take them
+        # prompt chunks end on multiples of this (or at the prompt's end), whatever shares the step
+        # (``prefill_chunks``); None: wherever the budget runs out. AsyncEngine sets its prefill budget
+        self.chunk_tokens: int | None = None
 
     @property
     def ahead_steps(self) -> int:
@@ -120,7 +123,7 @@ class Engine:
         if taken is not None:
             return taken
         decoding = [s for s in seqs if s.prefilled]
-        chunks = self.prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget)
+        chunks = self.prefill_chunks([s for s in seqs if not s.prefilled], prefill_budget, self.chunk_tokens)
         plain = self._plain_beside_prompts(decoding, chunks)
         ks = self.ahead.planned_ks(decoding, plain)
         if plain and any(keep := [self.keeps_k(s) for s in decoding]):
@@ -322,19 +325,30 @@ class Engine:
         return bool(decoding) and any(n for _, n in chunks)
 
     @staticmethod
-    def prefill_chunks(prefilling: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
+    def prefill_chunks(
+        prefilling: list[Sequence], budget: int | None, grid: int | None = None
+    ) -> list[tuple[Sequence, int]]:
         """The prompt tokens each prefilling sequence feeds this step: the fewest left first (first
         come first served among equals). First come first served alone, a short prompt that arrived
         while a long one was being prefilled waited for all of its chunks: on the 2-core EPYC a
         34-token chat request's first token came 42.8 s after it was sent, behind a 3,000-token
         prompt's 64-token chunks. Fewest-left-first gives it the next step, and the long prompt the
         rest of that step's budget; the long one waits at most a step for each prompt admitted
-        beside it (``limits.max_active`` of them at once), each of which then decodes."""
+        beside it (``limits.max_active`` of them at once), each of which then decodes.
+
+        ``grid``: a chunk that does not finish its prompt ends on a multiple of it, so a prompt is
+        cut into the same chunks alone and under any load (the rest of a step's budget short of the
+        next multiple waits for the next step). A backend whose prefill rows round by the chunk's
+        width (llama.cpp's) otherwise fills the same prompt's cache with other bits under load:
+        greedy output differed from the same request's alone in 1-2 of 4 chat requests arriving
+        together (the real pair on the 2-core EPYC, 64-token chunks)."""
         chunks = []
         order = sorted(prefilling, key=lambda s: len(s.tokens) - 1 - s.runner.length)  # stable
         for s in order:
             todo = len(s.tokens) - 1 - s.runner.length
             n = todo if budget is None else min(todo, max(budget, 0))
+            if grid and n < todo:
+                n -= (s.runner.length + n) % grid
             if s.prompt_logprobs is not None:
                 n = min(n, SCORED_CHUNK)
             if n <= 0 < todo:

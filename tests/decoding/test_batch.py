@@ -375,8 +375,8 @@ def spy_prefill_chunks(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-de
     had_chunks: list[bool] = []
     chunks_of = Engine.prefill_chunks
 
-    def spy(prefilling, budget):  # type: ignore[no-untyped-def]
-        out = chunks_of(prefilling, budget)
+    def spy(prefilling, budget, grid=None):  # type: ignore[no-untyped-def]
+        out = chunks_of(prefilling, budget, grid)
         had_chunks.append(any(n for _, n in out))
         return out
 
@@ -820,6 +820,32 @@ def test_a_short_prompt_is_not_held_behind_a_long_ones_chunks():
     assert Engine.prefill_chunks([long, other, short], 64) == [(other, 34), (short, 30)]  # ties: in order
     assert Engine.prefill_chunks([long], 64) == [(long, 64)]
     assert Engine.prefill_chunks([long, short], None) == [(short, 34), (long, 2360)]
+
+
+def test_prompt_chunks_end_on_the_grid_whatever_shares_the_step(tiny_models):
+    """With a grid (``Engine.chunk_tokens``, AsyncEngine's prefill budget) a prompt is cut into the
+    same chunks alone and beside others: what a short prompt leaves of the budget short of the
+    long one's next multiple waits for the next step (llama.cpp's rows round by the chunk's width:
+    tests/decoding/test_llamacpp.py), and a burst step takes whole multiples."""
+
+    class Seq:
+        def __init__(self, prompt: int, done: int) -> None:
+            self.tokens = [0] * (prompt + 1)
+            self.runner = type("R", (), {"length": done})()
+            self.prompt_logprobs = None
+
+    long, short = Seq(3000, 640), Seq(34, 0)
+    assert Engine.prefill_chunks([long, short], 64, 64) == [(short, 34)]
+    assert [n for _, n in Engine.prefill_chunks([long, Seq(10, 0)], 128, 64)] == [10, 64]
+    assert Engine.prefill_chunks([long], 64, 64) == [(long, 64)]
+    assert Engine.prefill_chunks([long], 2000, 64) == [(long, 1984)]  # a burst: whole multiples
+    tail = Seq(700, 640)  # the rest of a prompt ends where it ends
+    assert Engine.prefill_chunks([tail, short], 128, 64) == [(short, 34), (tail, 60)]
+    ae = AsyncEngine(Engine(tiny_models), prefill_budget=48)
+    try:
+        assert ae.engine.chunk_tokens == 48
+    finally:
+        ae.shutdown()
 
 
 async def test_a_burst_during_a_step_fills_the_free_slots_before_the_queue(tiny_models):

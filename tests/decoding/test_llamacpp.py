@@ -204,6 +204,44 @@ def test_batched_engine_steps_match_each_request_alone(pair):
     assert got == alone
 
 
+@pytest.mark.slow
+@needs_llamacpp
+def test_a_prompt_prefilled_beside_another_fills_the_cache_it_fills_alone(pair):
+    """A prompt is cut into the same chunks alone and under load (``Engine.chunk_tokens``): llama.cpp's
+    prefill rows round by the chunk's width, and a long prompt that took what a short one left of a
+    step's budget filled its cache with other bits, so greedy output differed from the same request
+    alone (a burst of chat requests on the real gateway). Logprobs show any bit of difference."""
+    engine = Engine(pair)
+    engine.chunk_tokens = 64  # as AsyncEngine sets it: its prefill budget
+    tok = pair["target"].tokenizer
+    long_ids = _chat(tok, [PROMPTS["edit"][0] + PROMPTS["code"][0]])
+    short_ids = _chat(tok, PROMPTS["prose"])
+    assert len(long_ids) > 64 > len(short_ids)  # the short one takes part of the long one's chunk
+
+    def request(rid: str, ids: list[int]) -> GenerationRequest:
+        params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+        return GenerationRequest(rid, "target", ids, params, SpecParams(SpecMode.OFF))
+
+    def run(reqs: list[GenerationRequest]) -> dict[str, list[object]]:
+        seqs = [engine.start(r) for r in reqs]
+        got: dict[str, list[object]] = {r.request_id: [] for r in reqs}
+        try:
+            while any(s.finished is None for s in seqs):
+                live = [s for s in seqs if s.finished is None]
+                for out in engine.step_batch(live, 64):
+                    if out is not None:
+                        got[out.request_id] += out.logprobs or []
+        finally:
+            for s in seqs:
+                s.release()
+        return got
+
+    alone = run([request("long", long_ids)])["long"]
+    beside = run([request("long", long_ids), request("short", short_ids)])["long"]
+    assert len(alone) == 6
+    assert beside == alone
+
+
 @needs_llamacpp
 @pytest.mark.parametrize("exact", [None, False])
 @pytest.mark.slow
