@@ -22,7 +22,7 @@ from gateway.backends import (
 )
 from gateway.errors import APIError
 from gateway.observability.record import note_first_token
-from router.faults import UpstreamBadResponse, UpstreamError
+from router.faults import UpstreamBadResponse, UpstreamError, is_error
 from router.upstream import UpstreamClient, UpstreamStream
 
 
@@ -187,7 +187,7 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
     calls = _Calls()
     try:
         async for event in stream:
-            if "error" in event and "choices" not in event:
+            if is_error(event):
                 # the upstream failed, not the gateway: a 502 (it was a 500) where the status still shows
                 err = event["error"]
                 raise APIError(502, str(err.get("message")), str(err.get("type") or "server_error"),

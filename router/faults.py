@@ -19,7 +19,9 @@ Exceptions (every httpx exception is translated in `router.upstream._translated`
 Deliberate: an in-band `{"error": ...}` event from the upstream after its first event is yielded like
 a chunk, not raised: it is the upstream's answer and the client should see it. As the first event it
 is raised (`UpstreamErrorEvent`): nothing has reached the client, which gets a plain HTTP error or a
-fallback instead of a 200 whose stream holds only the error.
+fallback instead of a 200 whose stream holds only the error. A stream whose [DONE] comes with a
+choice unfinished (no finish_reason) and no error is `UpstreamBadResponse`: an answer cut short is
+no answer (the formatter would have finished it "stop", and the cache kept it).
 """
 
 from __future__ import annotations
@@ -233,12 +235,19 @@ class _Chunk(_Read):
     usage: _Usage | None = None
 
 
+def is_error(event: Mapping[str, Any]) -> bool:
+    """An in-band error, not a chunk: OpenAI's ``{"error": {...}}`` (TGI's ``{"error": "..."}``), or
+    vLLM's older ``{"object": "error", "message": ...}``, which was read as a chunk of no choices
+    and dropped, so an answer the upstream never finished came back as a whole one."""
+    return ("error" in event or event.get("object") == "error") and "choices" not in event
+
+
 def malformed(event: Mapping[str, Any]) -> str | None:
     """What makes a chunk unreadable as OpenAI's (a field the gateway reads, of the wrong type), or
     None. Checked here, once, so that an upstream's garbage is its fault (502) wherever it is read:
     a choice that was a string, an index "zero" or a usage count "x" were a 500 with a traceback or
     a 400 blaming the client. An in-band error object is not a chunk: not checked."""
-    if "error" in event and "choices" not in event:
+    if is_error(event):
         return None
     try:
         _Chunk.model_validate(event)

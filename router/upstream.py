@@ -46,6 +46,7 @@ from router.faults import (
     UpstreamRejected,
     UpstreamStreamBroken,
     UpstreamTimeout,
+    is_error,
     malformed,
     normalise_error,
 )
@@ -135,7 +136,7 @@ class Rewrite:
     include_usage: bool = False  # the client asked for stream_options.include_usage
 
     def apply(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        if "error" in chunk and "choices" not in chunk:
+        if is_error(chunk):
             return {"error": normalise_error(chunk, 500)["error"]}
         for key in ("id", "model", "created", "system_fingerprint"):
             value = getattr(self, key)
@@ -192,6 +193,8 @@ class UpstreamStream:
         self._unfinished: set[int] | None = (
             None  # choices seen without their finish_reason; None: no chunk yet
         )
+        self._finished: set[int] = set()  # choices seen with their finish_reason
+        self._errored = False  # an in-band error came
         self._started = started  # perf_counter when the request was sent
         self._outcome: str | None = "ok"  # observed when the stream closes; None once observed
         self.status_code = resp.status_code
@@ -248,10 +251,16 @@ class UpstreamStream:
     def _check_done(self) -> None:
         if self._unfinished is None:  # it was an empty 200: no answer, yet cached as one
             raise UpstreamBadResponse(self._client.name, "[DONE] before any choice")
+        if self._unfinished and not self._errored:  # cut short: the formatter would finish it "stop"
+            raise UpstreamBadResponse(
+                self._client.name, f"[DONE] before choice {min(self._unfinished)} finished"
+            )
 
     def _checked(self, event: Any, payload: str) -> dict[str, Any]:
         if not isinstance(event, dict):
             raise json.JSONDecodeError("event is not a JSON object", payload, 0)
+        if is_error(event):
+            self._errored = True  # its answer is the error: the choices it cut need no finish
         wrong = malformed(event)
         if wrong is not None:
             raise UpstreamBadResponse(self._client.name, f"unreadable chunk: {wrong}")
@@ -259,9 +268,11 @@ class UpstreamStream:
             if self._unfinished is None:
                 self._unfinished = set()
             if c.get("finish_reason") is None:
-                self._unfinished.add(c.get("index", 0))
+                if c.get("index", 0) not in self._finished:  # a chunk after its finish (usage)
+                    self._unfinished.add(c.get("index", 0))
             else:
                 self._unfinished.discard(c.get("index", 0))
+                self._finished.add(c.get("index", 0))
         return self._rewrite.apply(event)
 
     async def _peek(self) -> None:
@@ -291,7 +302,7 @@ class UpstreamStream:
                 if event is None:
                     self._done = True
                     break
-                if "error" in event and "choices" not in event:
+                if is_error(event):
                     self._outcome = "error"  # its in-band error: passed on, and the call failed
                 yield event
         finally:
@@ -431,7 +442,7 @@ class UpstreamClient:
             try:
                 await stream._peek()
                 first = stream._first
-                if first is not None and "error" in first and "choices" not in first:
+                if first is not None and is_error(first):
                     raise UpstreamErrorEvent(self.name, first)
             except BaseException:
                 await resp.aclose()

@@ -711,3 +711,41 @@ async def test_an_error_body_is_read_no_further_than_its_message(upstream: RawUp
     finally:
         server.should_exit = True
         await task
+
+
+OLD_VLLM_ERROR = {"object": "error", "message": "boom", "type": "BadRequestError", "param": None, "code": 400}
+CUT_SHORT = {  # what the upstream sent after its role chunk and "Hello"; what the client is told
+    "[DONE] before the finish": ([], "[DONE] before choice 0 finished"),
+    "vLLM's older error object": ([OLD_VLLM_ERROR], "boom"),
+}
+
+
+@pytest.mark.parametrize(("tail", "said"), CUT_SHORT.values(), ids=CUT_SHORT.keys())
+@pytest.mark.parametrize("stream_", [False, True], ids=["whole", "stream"])
+async def test_an_answer_the_upstream_never_finished_is_no_answer(
+    upstream: RawUpstream, gateway: str, tail: list[dict[str, Any]], said: str, stream_: bool
+) -> None:
+    """A stream that ended ([DONE]) with a choice unfinished, or whose error came in vLLM's older
+    shape (no "error" key, read as a chunk of no choices), was a complete answer: streamed without a
+    finish chunk, or a 200 whose finish_reason the gateway made "stop" (and cached as such)."""
+    upstream.actions = [stream([*good_chunks()[:2], *tail])]
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": stream_})
+    if stream_:
+        events = data_events(r.text)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert not any(json.loads(e)["choices"][0]["finish_reason"] for e in events[:-2])
+    else:
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+    assert said in err["message"], err
+
+
+async def test_vllms_older_error_object_as_the_first_event_is_a_502(
+    upstream: RawUpstream, gateway: str
+) -> None:
+    upstream.actions = [stream([OLD_VLLM_ERROR])]
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 502 and "boom" in r.json()["error"]["message"], r.text
