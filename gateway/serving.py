@@ -37,6 +37,7 @@ from gateway.limits import RateLimiter, read_body
 from gateway.observability import (
     note_completion,
     note_phase,
+    note_served,
     note_stream_error,
     note_usage,
     observe_job,
@@ -125,8 +126,7 @@ async def _serve(
             if started is None:
                 return Response(status_code=499)
             decision, gen = started
-            if decision.upstream is not None:
-                note_phase("stream", upstream=decision.upstream)
+            note_served(decision.model, decision.upstream)
             headers["x-specgate-route"] = decision.header_value()  # after any fallback
             fmt.model = decision.model  # a fallback's answer names the model that gave it, not the pick
             if decision is not route.attempts[0][0]:

@@ -134,16 +134,25 @@ def observe_job(job: Any) -> None:
         rec.set_content(prompt=prompt if job.kind == "chat" else "\n".join(map(str, job.prompts or [])))
 
 
-def note_phase(phase: str, upstream: str | None = None) -> None:
+def note_phase(phase: str) -> None:
     """Where the request is, for an abort's phase: ``cache`` replaying a hit, ``upstream`` waiting
-    for an upstream's first event, ``stream`` passing on the stream of ``upstream``, which served
-    it (the local engine's wrapper sets ``queued`` and ``decode`` itself)."""
+    for an upstream's first event (the local engine's wrapper sets ``queued`` and ``decode``)."""
+    rec = _current.get()
+    if rec is not None:
+        rec.phase = phase
+
+
+def note_served(model: str, upstream: str | None = None) -> None:
+    """The route that served the request, after any fallback: its model (the engine's wrapper names
+    the model a request is submitted to, refused or not: a full engine's fallback to an upstream was
+    labelled with the local model), and ``upstream``, whose stream it now passes on."""
     rec = _current.get()
     if rec is None:
         return
-    rec.phase = phase
+    rec.model = model[:MAX_CLIENT_CHARS]
     if upstream is not None:
         rec.upstream = upstream[:MAX_CLIENT_CHARS]
+        rec.phase = "stream"
 
 
 def note_first_token() -> None:

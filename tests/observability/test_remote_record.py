@@ -116,3 +116,29 @@ async def test_a_client_leaving_a_remote_request_is_counted_in_its_phase(
     assert (
         obs.metrics.value("specgate_aborted_requests_total", route="/v1/chat/completions", phase="other") == 0
     )
+
+
+async def test_a_remote_fallback_from_a_full_local_engine_is_labelled_with_the_model_that_served(
+    upstream: RawUpstream,
+) -> None:
+    """The engine's wrapper names the record's model when a request is submitted, refused or not:
+    a local tier whose engine was full, falling back to an upstream, was counted and traced as the
+    local model's."""
+    engine = ScriptedEngine([token_ids("Hello")], overloaded=1)
+    tiers = [
+        {"name": "local", "model": "fake", "fallback": ["remote"]},
+        {"name": "remote", "upstream": "u", "threshold": 0.99},
+    ]
+    base, obs, exporter, handle = await serve(upstream, engine, tiers=tiers)
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT | {"model": "auto"})
+            assert r.status_code == 200 and r.headers["x-specgate-route"].startswith("tier=remote;"), r.text
+            span = await server_span(exporter)
+    finally:
+        await stop(handle)
+    assert span.attributes["gen_ai.response.model"] == "up-model"
+    assert span.attributes["specgate.upstream"] == "u"
+    labels = {"route": "/v1/chat/completions", "status": "200"}
+    assert obs.metrics.value("specgate_requests_total", model="up-model", **labels) == 1
+    assert obs.metrics.value("specgate_requests_total", model="fake", **labels) == 0

@@ -44,7 +44,7 @@ async def upstream() -> AsyncIterator[RawUpstream]:
 
 
 async def serve(
-    up: RawUpstream, engine: ScriptedEngine
+    up: RawUpstream, engine: ScriptedEngine, tiers: list[dict[str, Any]] | None = None
 ) -> tuple[str, Observability, InMemorySpanExporter, Any]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -54,7 +54,7 @@ async def serve(
          "timeout_s": 5.0}  # fmt: skip
     settings = load_settings(env={}, overrides={
         "cache": {"enabled": False}, "upstreams": [u], "models": [{"name": "fake", "source": "x"}],
-        "router": {"tiers": [{"name": "local", "model": "fake"}]},
+        "router": {"tiers": tiers or [{"name": "local", "model": "fake"}]},
     })  # fmt: skip
     app = create_app(settings, engine=engine, observability=obs)  # type: ignore[arg-type]
     port = free_port()
