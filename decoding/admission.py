@@ -78,7 +78,7 @@ def drafter_for(
     confidence = request.spec.draft_confidence
     if confidence is None:  # a fixed k (adaptive off) stays fixed unless the request says otherwise
         confidence = DRAFT_CONFIDENCE.get(draft.device.type, 0.0) if request.spec.adaptive else 0.0
-    return DraftModelDrafter(factory(draft.model), draft.device, confidence)
+    return DraftModelDrafter(factory(draft.model), draft.device, confidence, max_len=draft.max_context)
 
 
 def draft_cost_prior(models: dict[str, LoadedModel], target: LoadedModel, drafter: Drafter | None) -> float:

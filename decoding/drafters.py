@@ -70,9 +70,17 @@ class DraftModelDrafter:
     INLINE = 2
     INLINE_GPU = 8
 
-    def __init__(self, runner: SequenceRunner, device: torch.device, min_confidence: float = 0.0):
+    def __init__(
+        self,
+        runner: SequenceRunner,
+        device: torch.device,
+        min_confidence: float = 0.0,
+        max_len: int | None = None,
+    ):
         self.runner = runner
         self.device = device
+        # the draft's own context (its cache's capacity), which may be shorter than the target's
+        self.max_len = max_len
         # Stop drafting after a token the draft itself gave less than this probability (as
         # transformers' assisted generation does): past such a token the next ones are rarely
         # accepted, and their draft steps are wasted. Reading the probability is a host sync per
@@ -80,6 +88,13 @@ class DraftModelDrafter:
         self.min_confidence = min_confidence
         self.shape: DraftShape | None = None  # the request's logit_bias / grammar, set by the engine
         self.inline = self.INLINE_GPU if device.type == "cuda" else self.INLINE
+
+    def room(self, tokens: list[int]) -> int | None:
+        """The most tokens it may draft after ``tokens`` within its context (None: no bound). Past it
+        the row decodes plainly: a draft served at a shorter context than its target's (a 2k-token
+        draft for a 4k target; each model's max_context) overflowed its cache, and the request failed
+        mid-stream as a server error."""
+        return None if self.max_len is None else max(0, self.max_len - len(tokens))
 
     def backlog(self, tokens: list[int]) -> int:
         """Tokens of ``tokens`` a proposal would first catch up on (``catch_up``; 0: none, or few

@@ -200,7 +200,14 @@ class Engine:
             for s, k in zip(decoding, ks, strict=True)
         ]
         items: list[ProposeItem] = [
-            (s.drafter, s.tokens + f, k - len(f), s.request.params, s.counts, s.generator)
+            (
+                s.drafter,
+                s.tokens + f,
+                _within(s.drafter, s.tokens + f, k - len(f)),
+                s.request.params,
+                s.counts,
+                s.generator,
+            )
             for s, k, f in zip(decoding, ks, forced, strict=True)
         ]
         timer = StepTimer(device)
@@ -482,6 +489,12 @@ class Engine:
 
 
 _NO_TABLE: dict[tuple[int, int], float] = {}
+
+
+def _within(drafter: Drafter | None, tokens: list[int], k: int) -> int:
+    """``k``, or fewer where a draft model's context ends sooner (``DraftModelDrafter.room``)."""
+    room = drafter.room(tokens) if isinstance(drafter, DraftModelDrafter) else None
+    return k if room is None else min(k, room)
 
 
 def _padded_width(seq: Sequence) -> int:

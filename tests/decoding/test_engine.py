@@ -10,7 +10,14 @@ from decoding.drafters import lookup_ngram
 from decoding.engine import Engine
 from decoding.errors import PromptTooLong, UnknownModel, VocabMismatch
 from decoding.loader import check_pair
-from decoding.params import FinishReason, GenerationRequest, SamplingParams, SpecMode, SpecParams
+from decoding.params import (
+    FinishReason,
+    GenerationRequest,
+    RequestStats,
+    SamplingParams,
+    SpecMode,
+    SpecParams,
+)
 from decoding.runner import EagerRunner
 
 PROMPTS = ["hello wörld, write a poem", "def f(x):\n    return x * 2\n\ndef f(x):", "€€€ ünïcödé 日本語"]
@@ -292,3 +299,31 @@ def test_min_p_drops_the_unlikely_and_keeps_the_likeliest():
     for bad in (0, 5e-324, float("nan"), 101):
         with pytest.raises(ValueError, match="repetition_penalty"):
             SamplingParams(repetition_penalty=bad)
+
+
+def test_a_draft_served_at_a_shorter_context_than_its_target_stops_drafting_at_its_end():
+    """Each model's max_context is its own, and a draft's may be shorter than its target's (a
+    2k-token draft for a 4k target): past the draft's context the row decodes plainly, with the
+    output it has alone. Its cache overflowed, and the request failed mid-stream as a server error."""
+    from decoding.loader import ModelSpec, load_all
+
+    models = load_all(
+        [  # the draft is the target's own weights: it drafts every step, up to its context's end
+            ModelSpec("t", "tiny-random", draft="d", dtype="float32", device="cpu", max_context=256),
+            ModelSpec("d", "tiny-random", dtype="float32", device="cpu", max_context=64),
+        ]
+    )
+    engine = Engine(models)
+    prompt = list(range(3, 43))  # 40 tokens: the draft's context ends 24 tokens into the completion
+
+    def run(mode: SpecMode) -> tuple[list[int], RequestStats, FinishReason]:
+        params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+        return engine.generate(
+            GenerationRequest("r", "t", prompt, params, SpecParams(mode, max_k=4, adaptive=False))
+        )
+
+    plain, _, _ = run(SpecMode.OFF)
+    drafted, stats, finish = run(SpecMode.DRAFT)
+    assert finish == FinishReason.LENGTH and len(plain) == 120
+    assert drafted == plain
+    assert stats.accepted > 0
