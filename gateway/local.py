@@ -13,8 +13,10 @@ not).
 from __future__ import annotations
 
 import asyncio
+import copy
 import difflib
 import re
+import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import Any
@@ -44,6 +46,16 @@ class LocalBackend:
     def __init__(self, engine: EngineClient, default_max_tokens: int = 4096):
         self.engine = engine
         self.default_max_tokens = default_max_tokens
+        self._as_text: dict[str, Any] = {}  # per model: its tokenizer reading added tokens as text
+        self._as_text_lock = threading.Lock()
+
+    def as_text(self, model: str, tok: Tokenizer) -> Any:
+        """``model``'s ``spelling_tokenizer``, made at its first use (~0.6 s for Qwen's, on the
+        2-core EPYC) and shared by every prompt after it."""
+        with self._as_text_lock:
+            if model not in self._as_text:
+                self._as_text[model] = spelling_tokenizer(tok)
+            return self._as_text[model]
 
     def model_ids(self) -> list[str]:
         return self.engine.model_names
@@ -51,9 +63,11 @@ class LocalBackend:
     def _prompts(self, job: Job, tok: Tokenizer) -> list[tuple[list[int], str]]:
         """(token ids, text) per prompt; text is what ``echo`` sends back."""
         if job.kind == "chat":
+            messages = template_messages(job.messages or [])
             ids = chat_prompt_ids(
                 tok,
-                template_messages(job.messages or []),
+                messages,
+                as_text=self.as_text(job.model, tok) if holds_added_tokens(tok, messages) else None,
                 tools=job.tools if job.calls_tools else None,
                 add_generation_prompt=job.add_generation_prompt,
                 continue_final_message=job.continue_final_message,
@@ -347,14 +361,25 @@ def merge_stats(parts: list[RequestStats]) -> RequestStats:
 _HOLE = re.compile("\ue000(\\d+)\ue001")
 
 
-def chat_prompt_ids(tok: Tokenizer, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+def holds_added_tokens(tok: Tokenizer, messages: list[dict[str, Any]]) -> bool:
+    """Whether a message's content spells one of ``tok``'s added tokens (``chat_prompt_ids``)."""
+    added = tuple(tok.get_added_vocab())
+    return any(
+        isinstance(c, str) and any(a in c for a in added) for c in (m.get("content") for m in messages)
+    )
+
+
+def chat_prompt_ids(
+    tok: Tokenizer, messages: list[dict[str, Any]], as_text: Any = None, **template: Any
+) -> list[int]:
     """The chat template's prompt as token ids, each message's content as text: a special token's
     spelling in it (``<|im_end|>\n<|im_start|>system``) stays those characters, not the tokens
     that would close the message and open another role's turn, as OpenAI's API reads it. Rendered
     and tokenized whole (transformers' ``apply_chat_template(tokenize=True)``) where no content
     holds an added token's text; otherwise each such content is held out of the rendering and
-    tokenized with the tokenizer's ``split_special_tokens``, the template around it as usual. By
-    hand because transformers' flag applies to a whole text, the template's own tokens included."""
+    tokenized by ``as_text`` (``spelling_tokenizer``: a copy made here where none is given), the
+    template around it as usual. By hand because transformers' ``split_special_tokens`` applies to
+    a whole text, the template's own tokens included."""
     added = tuple(tok.get_added_vocab())
     held: list[str] = []
     safe = []
@@ -367,13 +392,28 @@ def chat_prompt_ids(tok: Tokenizer, messages: list[dict[str, Any]], **template: 
     if not held:
         return list(tok.apply_chat_template(messages, tokenize=True, **template)["input_ids"])
     text = tok.apply_chat_template(safe, tokenize=False, **template)
+    as_text = as_text or spelling_tokenizer(tok)  # LocalBackend passes the one it keeps
     ids: list[int] = []
     for i, part in enumerate(_HOLE.split(text)):  # template, content index, template, ...
         if i % 2:
-            ids += tok(held[int(part)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids += as_text(held[int(part)], add_special_tokens=False)["input_ids"]
         elif part:
             ids += tok(part, add_special_tokens=False)["input_ids"]
     return ids
+
+
+def spelling_tokenizer(tok: Tokenizer) -> Any:
+    """A copy of ``tok`` that reads added tokens' spellings as text, for message contents
+    (``chat_prompt_ids``). transformers' ``split_special_tokens=True`` sets that as a flag on the
+    shared Rust tokenizer for the call, and the next call sets it back, while prompts are tokenized
+    on threads (``LocalBackend.start``): under concurrent requests a content's ``<|im_end|>``
+    became the turn marker again, or another prompt's template markers were read as text (53 of
+    400 prompts, four threads on the real tokenizer). The copy's flag is set once, and the shared
+    tokenizer's never."""
+    clone: Any = copy.deepcopy(tok)
+    clone.split_special_tokens = True
+    clone.backend_tokenizer.encode_special_tokens = True
+    return clone
 
 
 def _logprobs(tok: Tokenizer, step: StepOutput, used: int) -> list[LogprobEntry] | None:

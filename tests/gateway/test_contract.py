@@ -158,6 +158,38 @@ def test_special_tokens_spelled_in_content_stay_text() -> None:
     assert tok.decode(ids) == tok.decode(whole)
 
 
+def test_special_tokens_spelled_in_content_stay_text_while_other_prompts_tokenize() -> None:
+    """Prompts are tokenized on threads, several at once: a content that spells the format's
+    tokens stays text, and a plain prompt keeps its template's markers, whatever is tokenized
+    beside them. transformers' split_special_tokens was a flag set on the shared tokenizer for
+    each call, and one prompt's call reset it under another's (35 of 400 prompts wrong here)."""
+    import threading
+
+    from decoding.tiny import byte_tokenizer
+    from gateway.local import chat_prompt_ids, spelling_tokenizer
+
+    tok = byte_tokenizer()
+    as_text = spelling_tokenizer(tok)  # one for every prompt, as LocalBackend keeps a model's
+    prompts = [
+        [{"role": "user", "content": INJECTED * 50}],
+        [{"role": "user", "content": "plain words " * 300}],
+    ]
+    want = [chat_prompt_ids(tok, m, add_generation_prompt=True) for m in prompts]
+    wrong: list[int] = []
+
+    def tokenize(k: int) -> None:
+        for _ in range(100):
+            if chat_prompt_ids(tok, prompts[k], as_text, add_generation_prompt=True) != want[k]:
+                wrong.append(k)
+
+    threads = [threading.Thread(target=tokenize, args=(i % 2,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+
+
 async def test_a_chat_request_cannot_open_a_turn_from_its_content() -> None:
     """Through the gateway: the prompt the engine gets holds the template's turn markers only."""
     engine = ScriptedEngine([token_ids("ok")])
