@@ -24,14 +24,20 @@ class UnknownModel(EngineError):
 
 
 class PromptTooLong(EngineError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, context: int):
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, context: int):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context = context
         super().__init__(self.describe("messages"))
 
     def describe(self, prompt: str) -> str:
-        """OpenAI's wording, naming the request's ``prompt`` parameter (messages, or a completion's prompt)."""
+        """OpenAI's wording, naming the request's ``prompt`` parameter (messages, or a completion's
+        prompt); ``max_tokens`` None: the request set none, and the prompt alone fills the context."""
+        if self.max_tokens is None:
+            return (
+                f"This model's maximum context length is {self.context} tokens. However, your {prompt} "
+                f"resulted in {self.prompt_tokens} tokens. Please reduce the length of the {prompt}."
+            )
         return (
             f"This model's maximum context length is {self.context} tokens. However, you requested "
             f"{self.prompt_tokens + self.max_tokens} tokens ({self.prompt_tokens} in the {prompt}, "

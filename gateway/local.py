@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 from decoding.client import EngineClient, StepStream, Tokenizer
-from decoding.errors import EngineStopped, InvalidParameter
+from decoding.errors import EngineStopped, InvalidParameter, PromptTooLong
 from decoding.params import (
     FinishReason,
     GenerationRequest,
@@ -107,8 +107,11 @@ class LocalBackend:
         prompt_logprobs = job.logprobs if job.kind == "completion" and job.echo else None
         reqs = []
         for ids, _ in prompts:
-            # no limit given: as many as fit, up to the server default (never a PromptTooLong for it);
-            # the engine ends it at the context's end with finish_reason "length"
+            # no limit given: as many as fit, up to the server default; the engine ends it at the
+            # context's end with finish_reason "length". A prompt that leaves no room is refused
+            # in OpenAI's words for it, naming no completion tokens the client never asked for
+            if job.max_tokens is None and len(ids) >= context:
+                raise PromptTooLong(len(ids), None, context)
             # max_tokens 0 (echo alone): one token is asked for and dropped (_pump), so that the prompt
             # goes through the engine's one path to its logprobs
             max_tokens = (

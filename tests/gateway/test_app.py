@@ -216,6 +216,21 @@ async def test_a_chat_without_max_tokens_may_fill_the_context_as_openai_and_vllm
     assert 4000 < context_left < 4096 and capped == 1000
 
 
+async def test_a_chat_without_max_tokens_whose_prompt_fills_the_context_is_refused_in_its_words() -> None:
+    """Without max_tokens a prompt that fills the context is a 400 context_length_exceeded naming the
+    prompt alone, as OpenAI words it, before anything reaches the engine: it said "you requested 4097
+    tokens (4096 in the messages, 1 in the completion)", a completion the client never asked for."""
+    engine = ScriptedEngine([token_ids("ok")])  # a 4096-token context, which the fake never checks
+    long = [{"role": "user", "content": "x" * 4100}]
+    async with client(create_app(settings(), engine=engine)) as c:  # type: ignore[arg-type]
+        r = await c.post("/v1/chat/completions", json={"model": "fake", "messages": long})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert "However, your messages resulted in" in error["message"] and "completion" not in error["message"]
+    assert engine.requests == []
+
+
 async def test_rate_limits_per_key() -> None:
     s = load_settings(
         overrides={"limits": {"rpm": 2}, "auth": {"api_keys": ["k1", "k2"]}, "cache": {"enabled": False}},
