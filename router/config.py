@@ -45,6 +45,10 @@ class UpstreamSettings(BaseModel):
     # route's fallback) instead of waited out: waited, Retry-After 2 on a 429 held the request 4 s
     # before its 429 or its fallback with the default 2 retries, and a hosted API's 20-60 s up to 2 min
     max_retry_wait_s: float = Field(default=1.0, ge=0)
+    # connections open to it at once, streams included (None: no limit; the gateway's rate limits
+    # bound them). A request past it waits for one up to timeout_s, then is a 503 that does not count
+    # against the breaker: httpx's default of 100 made the 101st concurrent stream a 504 that did
+    max_connections: int | None = Field(default=None, ge=1)
     breaker_failures: int = Field(default=5, ge=1)  # consecutive failures that open the circuit
     breaker_reset_s: float = Field(
         default=30.0, gt=0

@@ -8,6 +8,7 @@ Exceptions (every httpx exception is translated in `router.upstream._translated`
     ├── UpstreamUnavailable       nothing reached the client: the gateway may fall back
     │   ├── UpstreamConnectError  refused, reset, DNS, TLS                        retried
     │   ├── UpstreamTimeout       no answer in time (it may still be working)     not retried
+    │   ├── UpstreamPoolFull      max_connections busy (not the upstream's fault) not retried
     │   ├── UpstreamHTTPError     429 or 5xx                                      retried (a short Retry-After)
     │   ├── UpstreamBadResponse   not OpenAI's SSE, JSON or chunks                not retried
     │   ├── UpstreamErrorEvent    a stream whose first event is an error object   not retried
@@ -86,6 +87,15 @@ class UpstreamHTTPError(UpstreamUnavailable):
             )
         else:
             self.status = 503 if upstream_status == 503 else 502
+
+
+class UpstreamPoolFull(UpstreamUnavailable):
+    """Every connection `max_connections` allows was busy for timeout_s: the gateway's own limit,
+    not the upstream's failure, so the breaker does not hear of it."""
+
+    code = "upstream_busy"
+    breaker_failure = False
+    outcome = "pool_full"
 
 
 class UpstreamBadResponse(UpstreamUnavailable):

@@ -42,6 +42,7 @@ from router.faults import (
     UpstreamError,
     UpstreamErrorEvent,
     UpstreamHTTPError,
+    UpstreamPoolFull,
     UpstreamRefusedUs,
     UpstreamRejected,
     UpstreamStreamBroken,
@@ -80,6 +81,8 @@ def _translated(name: str) -> Iterator[None]:
     try:
         yield
     except httpx.TimeoutException as exc:
+        if isinstance(exc, httpx.PoolTimeout):
+            raise UpstreamPoolFull(name, "every connection max_connections allows stayed busy") from exc
         if isinstance(exc, httpx.ConnectTimeout):
             raise UpstreamConnectError(name, f"connect timeout ({exc!r})") from exc
         raise UpstreamTimeout(name, f"timed out ({type(exc).__name__})") from exc
@@ -193,6 +196,7 @@ class UpstreamStream:
         self._unfinished: set[int] | None = (
             None  # choices seen without their finish_reason; None: no chunk yet
         )
+        self._closing: asyncio.Future[None] | None = None  # the response's close, once begun
         self._finished: set[int] = set()  # choices seen with their finish_reason
         self._errored = False  # an in-band error came
         self._started = started  # perf_counter when the request was sent
@@ -309,11 +313,16 @@ class UpstreamStream:
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the upstream connection (the client left, or the stream ended)."""
-        await self._resp.aclose()
+        """Close the upstream connection (the client left, or the stream ended). The close runs to
+        its end even when the caller is cancelled (a client leaving cancels the task reading the
+        stream): cut inside httpx's close, the connection stayed in the pool as in use, and with
+        `max_connections` set each client that left mid-stream took a connection for good."""
         if self._outcome is not None:
             self._client._observe(self._outcome, self._started)
             self._outcome = None
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._resp.aclose())
+        await asyncio.shield(self._closing)
 
 
 class UpstreamClient:
@@ -337,8 +346,9 @@ class UpstreamClient:
                 )
             headers["authorization"] = f"Bearer {key}"
         timeout = httpx.Timeout(settings.timeout_s, connect=min(5.0, settings.timeout_s))
+        limits = httpx.Limits(max_connections=settings.max_connections)  # httpx's default: 100
         self._http = httpx.AsyncClient(base_url=settings.base_url.rstrip("/") + "/", timeout=timeout,
-                                       headers=headers, transport=transport)  # fmt: skip
+                                       headers=headers, transport=transport, limits=limits)  # fmt: skip
         if instrument is not None:
             instrument(self._http)
 

@@ -468,9 +468,9 @@ class Metrics:
             self.route_duration.observe(seconds)
 
     def observe_upstream(self, upstream: str, outcome: str, seconds: float | None = None) -> None:
-        """One upstream call: outcome ok|error|timeout|http_4xx|http_5xx|circuit_open."""
+        """One upstream call: outcome ok|error|timeout|http_4xx|http_5xx|circuit_open|pool_full."""
         u = self.upstream_label(upstream)
-        ok = ("ok", "error", "timeout", "http_4xx", "http_5xx", "circuit_open")
+        ok = ("ok", "error", "timeout", "http_4xx", "http_5xx", "circuit_open", "pool_full")
         self.upstream_requests.labels(u, outcome if outcome in ok else OTHER).inc()
         if seconds is not None:
             self.upstream_duration.labels(u).observe(seconds)

@@ -4,6 +4,7 @@ exactly the bytes each test scripts, and the gateway served by uvicorn in this p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import email.utils
 import json
@@ -749,3 +750,104 @@ async def test_vllms_older_error_object_as_the_first_event_is_a_502(
     async with httpx.AsyncClient(timeout=30) as c:
         r = await c.post(gateway + "/chat/completions", json={**CHAT, "stream": True})
     assert r.status_code == 502 and "boom" in r.json()["error"]["message"], r.text
+
+
+def first_then_wait(up: RawUpstream, release: asyncio.Event) -> Action:
+    """A stream's role chunk and first content, then the rest once ``release`` is set."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" + CLOSE
+        )
+        for part in (good_chunks()[:2], [chunk({}, "stop")]):
+            body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in part)
+            if part[0].get("choices", [{}])[0].get("finish_reason"):
+                await release.wait()
+                body += b"data: [DONE]\n\n"
+            w.write(b"%x\r\n%s\r\n" % (len(body), body))
+            await w.drain()
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    return act
+
+
+async def test_more_concurrent_streams_than_httpxs_pool_are_served(upstream: RawUpstream) -> None:
+    """httpx's pool holds 100 connections by default: the 101st concurrent stream to one upstream
+    waited timeout_s for a slot, then was a 504 counted against the upstream's breaker, which opened
+    for every tenant though the upstream answered every call. `max_connections` (unset: no limit)."""
+    base, server, task = await serve_gateway(upstream, timeout_s=600, breaker_failures=1)
+    release = asyncio.Event()
+    streams = 110
+    upstream.actions = [first_then_wait(upstream, release) for _ in range(streams)]
+    try:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as c:
+            opened = asyncio.Queue[None]()
+
+            async def one() -> list[str]:
+                async with c.stream("POST", base + "/chat/completions", json={**CHAT, "stream": True}) as r:
+                    assert r.status_code == 200, await r.aread()
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if "Hello" in line:
+                            opened.put_nowait(None)
+                        lines.append(line)
+                    return lines
+
+            calls = [asyncio.ensure_future(one()) for _ in range(streams)]
+            for _ in range(streams):  # every stream has its first content: all are open at once
+                await asyncio.wait_for(opened.get(), 120)
+            release.set()
+            for lines in await asyncio.gather(*calls):
+                events = data_events("\n".join(lines) + "\n")
+                assert events[-1] == "[DONE]" and '"finish_reason":"stop"' in events[-2], events[-2:]
+    finally:
+        release.set()
+        server.should_exit = True
+        await task
+
+
+def trickle(release: asyncio.Event) -> Action:
+    """A stream that sends a content chunk every 0.1 s (well inside timeout_s) until ``release``."""
+
+    async def act(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n" + CLOSE
+        )
+        events = [*good_chunks()[:2]]
+        while True:
+            body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+            w.write(b"%x\r\n%s\r\n" % (len(body), body))
+            await w.drain()
+            if release.is_set():
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(release.wait(), 0.1)
+            events = [chunk({"content": "."})] if not release.is_set() else [chunk({}, "stop")]
+        w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(b"data: [DONE]\n\n"), b"data: [DONE]\n\n"))
+        await w.drain()
+
+    return act
+
+
+async def test_a_full_connection_pool_is_a_503_that_leaves_the_breaker_closed(upstream: RawUpstream) -> None:
+    base, server, task = await serve_gateway(upstream, timeout_s=2.0, breaker_failures=1, max_connections=1)
+    release = asyncio.Event()
+    upstream.actions = [trickle(release)]
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("POST", base + "/chat/completions", json={**CHAT, "stream": True}) as held:
+                lines = held.aiter_lines()  # held: a dropped one closes the stream when collected
+                async for line in lines:
+                    if "Hello" in line:
+                        break  # the one connection is this stream's
+                r = await c.post(base + "/chat/completions", json=CHAT)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_busy", r.text
+                assert int(r.headers["retry-after"]) >= 1
+                release.set()
+            r = await c.post(base + "/chat/completions", json=CHAT)  # the circuit did not open
+            assert r.status_code == 200, r.text
+    finally:
+        release.set()
+        server.should_exit = True
+        await task
