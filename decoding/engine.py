@@ -349,13 +349,14 @@ class Engine:
         width (llama.cpp's) otherwise fills the same prompt's cache with other bits under load:
         greedy output differed from the same request's alone in 1-2 of 4 chat requests arriving
         together (the real pair on the 2-core EPYC, 64-token chunks)."""
-        chunks = []
+        chunks: list[tuple[Sequence, int]] = []
         order = sorted(prefilling, key=lambda s: len(s.tokens) - 1 - s.runner.length)  # stable
         for s in order:
             todo = len(s.tokens) - 1 - s.runner.length
             n = todo if budget is None else min(todo, max(budget, 0))
             if grid and n < todo:
-                n -= (s.runner.length + n) % grid
+                aligned = n - (s.runner.length + n) % grid
+                n = aligned if aligned > 0 or chunks else n  # a budget under the grid still progresses
             if s.prompt_logprobs is not None:
                 n = min(n, SCORED_CHUNK)
             if n <= 0 < todo:

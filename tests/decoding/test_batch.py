@@ -839,6 +839,7 @@ def test_prompt_chunks_end_on_the_grid_whatever_shares_the_step(tiny_models):
     assert [n for _, n in Engine.prefill_chunks([long, Seq(10, 0)], 128, 64)] == [10, 64]
     assert Engine.prefill_chunks([long], 64, 64) == [(long, 64)]
     assert Engine.prefill_chunks([long], 2000, 64) == [(long, 1984)]  # a burst: whole multiples
+    assert Engine.prefill_chunks([long], 32, 64) == [(long, 32)]  # a budget under the grid: no stall
     tail = Seq(700, 640)  # the rest of a prompt ends where it ends
     assert Engine.prefill_chunks([tail, short], 128, 64) == [(short, 34), (tail, 60)]
     ae = AsyncEngine(Engine(tiny_models), prefill_budget=48)
