@@ -44,6 +44,18 @@ async def drained(app: Any) -> None:
     await app.state.gateway.cache.cache.drain()
 
 
+async def close_and_forget(apps: list[Any], url: str, prefix: str) -> None:
+    """Close the gateways' Redis connections and delete the keys they wrote (the prefix is the test's
+    own: the server may hold others')."""
+    for app in apps:
+        await app.state.gateway.cache.cache.entries.close()
+    redis = aioredis.Redis.from_url(url)
+    keys = [k async for k in redis.scan_iter(f"{prefix}:*")]
+    if keys:
+        await redis.delete(*keys)
+    await redis.aclose()
+
+
 @pytest.fixture
 def engine() -> ScriptedEngine:
     return ScriptedEngine([token_ids("Use "), token_ids("reversed().")])
@@ -320,13 +332,7 @@ async def test_an_answer_cut_at_another_default_limit_is_not_replayed(
             )
         assert len(engines[0].requests) == 1 and len(engines[1].requests) == 2
     finally:
-        for app in apps:
-            await app.state.gateway.cache.cache.entries.close()
-        redis = aioredis.Redis.from_url(redis_server.url)
-        keys = [k async for k in redis.scan_iter(f"{prefix}:*")]
-        if keys:
-            await redis.delete(*keys)
-        await redis.aclose()
+        await close_and_forget(apps, redis_server.url, prefix)
 
 
 async def test_a_model_name_served_by_other_weights_does_not_share_answers(
@@ -356,10 +362,4 @@ async def test_a_model_name_served_by_other_weights_does_not_share_answers(
                 assert r.headers["x-specgate-cache"] == ("exact; similarity=1.0000" if i == 2 else "miss"), i
         assert [len(e.requests) for e in engines] == [1, 1, 0], "the same weights share their answers"
     finally:
-        for app in apps:
-            await app.state.gateway.cache.cache.entries.close()
-        redis = aioredis.Redis.from_url(redis_server.url)
-        keys = [k async for k in redis.scan_iter(f"{prefix}:*")]
-        if keys:
-            await redis.delete(*keys)
-        await redis.aclose()
+        await close_and_forget(apps, redis_server.url, prefix)
