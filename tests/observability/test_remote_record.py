@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -24,14 +23,6 @@ from tests.gateway.test_remote_faults import RawUpstream, chunk, hold
 from tests.observability.test_stream_errors import serve, stop
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[RawUpstream]:
-    up = RawUpstream()
-    await up.start()
-    yield up
-    await up.stop()
 
 
 async def server_span(exporter: InMemorySpanExporter) -> Any:

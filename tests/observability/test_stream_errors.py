@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,6 @@ from tests.gateway.test_remote_faults import RawUpstream, chunk, data_events, st
 from tests.servers import free_port
 
 SECRET = "zebra-canary-7f3a"  # the upstream's error message quotes it: it stays out of telemetry
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[RawUpstream]:
-    up = RawUpstream()
-    await up.start()
-    yield up
-    await up.stop()
 
 
 async def serve(
