@@ -13,6 +13,7 @@ consumer's context, and attaching a span across the consumer's awaits would leak
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -188,6 +189,9 @@ class _ObservedSteps:
         except StopAsyncIteration:
             self._end()
             raise
+        except asyncio.CancelledError:
+            self.left()
+            raise
         except BaseException as exc:
             self.fail(type(exc).__name__)
             raise
@@ -209,12 +213,20 @@ class _ObservedSteps:
         if self._ended:
             return
         if self._finish is None:
-            tr.set_error(self._span, "GeneratorExit")  # the consumer left before the last step
+            self._span.set_attribute("specgate.aborted", True)  # the consumer left before the last step
         try:
             if self.steps is not None:
                 await self.steps.aclose()
         finally:
             self._end()
+
+    def left(self) -> None:
+        """The consumer left (a client's disconnect cancelling its task): the span ends marked
+        aborted, not failed, as the server span does (``specgate.aborted_phase``). Marked ERROR, every
+        client that closed a stream early was an engine error in a trace search for errors."""
+        if self._finish is None:
+            self._span.set_attribute("specgate.aborted", True)
+        self._end()
 
     def fail(self, kind: str) -> None:
         """The request was refused, or its stream raised: the span ends marked with ``kind``."""

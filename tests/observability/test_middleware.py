@@ -11,7 +11,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.observability import Observability, ObservabilitySettings
 from tests.observability.app import make_app
@@ -191,7 +191,12 @@ async def test_request_log_line(provider: TracerProvider, caplog: pytest.LogCapt
     )
 
 
-async def test_client_disconnect_is_counted_as_an_abort_in_decode(provider: TracerProvider) -> None:
+async def test_client_disconnect_is_counted_as_an_abort_in_decode(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """A client leaving is counted as an abort, and no span calls it an error: the engine's span
+    was ERROR GeneratorExit, so every stream a client closed early was an engine failure in a
+    trace search for errors."""
     obs = Observability(tracer_provider=provider, models=["tiny"])
     engine = ScriptedEngine([(2, 1, [i]) for i in range(50)], delay=0.01)
     app = make_app(obs, engine)
@@ -222,6 +227,9 @@ async def test_client_disconnect_is_counted_as_an_abort_in_decode(provider: Trac
         == 1
     )
     assert any(m.get("body") for m in sent)
+    spans = exporter.get_finished_spans()
+    assert all(s.status.status_code is not StatusCode.ERROR for s in spans), [s.name for s in spans]
+    assert [s.name for s in spans if (s.attributes or {}).get("specgate.aborted")] == ["chat tiny"]
 
 
 def _all_span_text(exporter: InMemorySpanExporter) -> str:
