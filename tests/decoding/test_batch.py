@@ -723,15 +723,16 @@ def test_a_shapes_stalled_first_use_is_no_cost_sample(tiny_models, monkeypatch):
         return out
 
     monkeypatch.setattr(Engine, "commit_step", stall_first)
-    # a one-row shape may have been held already: a real step of this process stalled (the
-    # rule at work; on a loaded 2-core EPYC one did), which is no concern of the two-row one here
+    # other shapes may be held too: a real step of this process stalled (the rule at work; on a
+    # loaded 2-core EPYC a one-row shape, and in another run the two-row plain (2, 4), did), which
+    # is no concern of the stalled shape here
     held_before = set(costs.held)
     assert (2, 8) not in costs.target and (2, 8) not in held_before
     assert run_batch(engine, reqs[1:]) == {r.request_id: expected[r.request_id] for r in reqs[1:]}
     assert len(seen) >= 2 and seen[0][0] == 4  # k = 3: 8 target rows
     assert seen[0][1:] == (False, True)  # the stalled step: no cost sample, no goodput sample
     assert seen[1][1] and not seen[1][2] and costs.target[2, 8] < 1.0  # the next one is the sample
-    assert costs.held - held_before == {(2, 8)}
+    assert (2, 8) in costs.held - held_before
 
 
 def test_freeze_heap_takes_what_exists_out_of_collection_and_collects_garbage_first() -> None:
