@@ -3,10 +3,14 @@ never a stand-in)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
+
+import uvicorn
 
 
 def free_port() -> int:
@@ -68,3 +72,15 @@ class RedisProcess:
             self.proc.terminate()
             self.proc.wait(10)
             self.proc = None
+
+
+async def serve_in_loop(app: Any) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
+    """``app`` served by uvicorn on a free port in this event loop, once it listens: its URL, the
+    server (``should_exit = True`` stops it) and the task to await after."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "the server did not start"
+        await asyncio.sleep(0.01)
+    return f"http://127.0.0.1:{port}", server, task

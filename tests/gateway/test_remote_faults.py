@@ -19,7 +19,7 @@ from gateway.app import create_app
 from gateway.settings import load_settings
 from router.upstream import MAX_ERROR_BYTES, MAX_EVENT_BYTES
 from tests.gateway.fakes import ScriptedEngine, token_ids
-from tests.servers import free_port
+from tests.servers import free_port, serve_in_loop
 
 Action = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 CLOSE = b"connection: close\r\n\r\n"  # one request a connection: the gateway never reuses one this closes
@@ -138,13 +138,8 @@ async def serve_gateway(
                              {"name": "remote", "upstream": "u", "threshold": 0.0, "fallback": ["local"]}]},
     })  # fmt: skip
     app = create_app(settings, engine=ScriptedEngine([token_ids("local answer")]))  # type: ignore[arg-type]
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        assert not task.done(), "the gateway did not start"
-        await asyncio.sleep(0.01)
-    return f"http://127.0.0.1:{port}/v1", server, task
+    url, server, task = await serve_in_loop(app)
+    return url + "/v1", server, task
 
 
 @pytest.fixture

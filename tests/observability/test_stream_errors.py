@@ -9,7 +9,6 @@ scripted local engine, and the SDK's in-memory exporter."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from pathlib import Path
@@ -17,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -29,7 +27,7 @@ from gateway.observability import Observability
 from gateway.settings import load_settings
 from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.gateway.test_remote_faults import RawUpstream, chunk, data_events, stream
-from tests.servers import free_port
+from tests.servers import serve_in_loop
 
 SECRET = "zebra-canary-7f3a"  # the upstream's error message quotes it: it stays out of telemetry
 
@@ -48,13 +46,8 @@ async def serve(
         "router": {"tiers": tiers or [{"name": "local", "model": "fake"}]},
     })  # fmt: skip
     app = create_app(settings, engine=engine, observability=obs)  # type: ignore[arg-type]
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        assert not task.done(), "the gateway did not start"
-        await asyncio.sleep(0.01)
-    return f"http://127.0.0.1:{port}", obs, exporter, (server, task)
+    url, server, task = await serve_in_loop(app)
+    return url, obs, exporter, (server, task)
 
 
 async def stop(handle: Any) -> None:
