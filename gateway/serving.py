@@ -37,6 +37,7 @@ from gateway.limits import RateLimiter, read_body
 from gateway.observability import (
     note_completion,
     note_phase,
+    note_response_id,
     note_served,
     note_stream_error,
     note_usage,
@@ -109,6 +110,7 @@ async def _serve(
             )
         else:
             fmt = CompletionFormat(served, req.include_usage, job.choices, job.n, job.echo)
+        note_response_id(fmt.id)
         cached = await state.cache.lookup(route.job, request.headers, body) if state.cache else None
         if cached is not None:
             headers["x-specgate-cache"] = cached.header

@@ -170,8 +170,8 @@ def _annotate(span: trace.Span, rec: RequestRecord) -> None:
     if rec.operation:
         attrs[tr.GEN_AI_OPERATION] = rec.operation
         attrs[tr.GEN_AI_PROVIDER] = tr.PROVIDER
-        if rec.request_id:
-            attrs[tr.GEN_AI_RESPONSE_ID] = rec.request_id
+        if rec.response_id:
+            attrs[tr.GEN_AI_RESPONSE_ID] = rec.response_id
     for key, value in (
         (tr.GEN_AI_REQUEST_MODEL, rec.request_model or rec.model),
         (tr.GEN_AI_RESPONSE_MODEL, rec.model),

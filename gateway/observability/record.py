@@ -35,6 +35,7 @@ class RequestRecord:
     log_content: bool = False
     started: float = field(default_factory=time.perf_counter)
     request_id: str | None = None
+    response_id: str | None = None  # the id the answer carries (chatcmpl-..., cmpl-...)
     status: int = 0
     stream: bool = False
     request_model: str | None = None  # as the client asked ("auto", an alias, a name)
@@ -140,6 +141,14 @@ def note_phase(phase: str) -> None:
     rec = _current.get()
     if rec is not None:
         rec.phase = phase
+
+
+def note_response_id(response_id: str) -> None:
+    """The id the answer carries (``chatcmpl-...``), for the span's ``gen_ai.response.id``, which the
+    GenAI conventions define as the completion's id: it held the request id."""
+    rec = _current.get()
+    if rec is not None:
+        rec.response_id = response_id
 
 
 def note_served(model: str, upstream: str | None = None) -> None:

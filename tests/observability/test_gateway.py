@@ -121,6 +121,8 @@ async def test_spans_on_the_real_app(
     for name in ("specgate.queue", "specgate.prefill", "specgate.decode"):
         assert spans[name].parent.span_id == gen.context.span_id
     assert root.attributes["specgate.request_id"] == r.headers["x-request-id"]
+    # the GenAI conventions' response id is the completion's, as the client sees it
+    assert root.attributes["gen_ai.response.id"] == r.json()["id"]
     assert root.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 9
     assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert tuple(root.attributes["gen_ai.response.finish_reasons"]) == ("length",)
