@@ -57,8 +57,45 @@ def grammar_text(spec: GrammarSpec) -> str:
         except ValueError as exc:
             raise InvalidParameter(f"Invalid JSON schema: {exc}", param) from exc
     if spec.kind == "regex":  # a bad one is reported by the matcher, as a bad Lark grammar is
-        return llguidance.LLMatcher.grammar_from_regex(spec.text)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.text))
     return llguidance.LLMatcher.grammar_from_lark(spec.text)
+
+
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(regex: str) -> str:
+    """``regex`` with ``\\d`` and ``\\w`` (and ``\\D``, ``\\W`` outside brackets) as ASCII classes,
+    as vLLM's guided_regex backends (xgrammar, outlines) and JSON Schema's patterns read them:
+    llguidance's regex reads them as Unicode classes, so ``\\d{3}`` allowed Arabic-Indic digits. By
+    hand, a scan of escapes and brackets: llguidance takes the pattern as text, and no parser of
+    its dialect is at hand. A negated class inside brackets (``[^\\D]``) is left as written."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            e = regex[i + 1]
+            cls = _ASCII_CLASSES.get(e.lower())
+            if cls is not None and not in_class:
+                out.append(f"[^{cls}]" if e.isupper() else f"[{cls}]")
+            elif cls is not None and e.islower():
+                out.append(cls)
+            else:
+                out.append(regex[i : i + 2])
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+        if c == "[" and not in_class:
+            in_class = True
+            for literal in "^]":  # '[^' negates; a ']' first in a class is itself
+                if regex.startswith(literal, i):
+                    out.append(literal)
+                    i += 1
+        elif c == "]" and in_class:
+            in_class = False
+    return "".join(out)
 
 
 # a quoted tag in a Lark grammar, e.g. "<tool_call>"

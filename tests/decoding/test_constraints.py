@@ -198,6 +198,23 @@ def test_a_bad_regex_is_refused_with_the_parsers_reason_on_one_line(tiny_models)
     assert message.endswith("invalid character class range, the start must be <= the end")
 
 
+@pytest.mark.parametrize(
+    ("regex", "ascii", "other"),
+    [(r"\d{3}", "123", "١٢٣"), (r"[\d-]+", "1-2", "١-٢"), (r"\w+", "a_1", "é"), (r"\D", "x", "5")],
+)
+def test_guided_regex_classes_are_ascii_as_vllms_backends_read_them(tiny_models, regex, ascii, other):
+    """``\\d`` is 0-9 and ``\\w`` ASCII word characters, as xgrammar, outlines and JSON Schema's
+    patterns read them: llguidance's regex let ``\\d{3}`` match Arabic-Indic digits."""
+    tok = tiny_models["tiny"].tokenizer
+
+    def accepts(text: str) -> bool:
+        c = Constraint(GrammarSpec("regex", regex, param="guided_regex"), tok, 259, (tok.eos_token_id,))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return c.check_drafts(ids) == len(ids)
+
+    assert accepts(ascii) and not accepts(other)
+
+
 def test_constraint_rolls_back_what_it_did_not_commit(tiny_models):
     tok = tiny_models["tiny"].tokenizer
     c = Constraint(GrammarSpec("lark", 'start: "yes" | "no"'), tok, 259, (tok.eos_token_id,))
