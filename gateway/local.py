@@ -18,7 +18,7 @@ import difflib
 import re
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from decoding.client import EngineClient, StepStream, Tokenizer
@@ -63,11 +63,10 @@ class LocalBackend:
     def _prompts(self, job: Job, tok: Tokenizer) -> list[tuple[list[int], str]]:
         """(token ids, text) per prompt; text is what ``echo`` sends back."""
         if job.kind == "chat":
-            messages = template_messages(job.messages or [])
             ids = chat_prompt_ids(
                 tok,
-                messages,
-                as_text=self.as_text(job.model, tok) if holds_added_tokens(tok, messages) else None,
+                template_messages(job.messages or []),
+                as_text=lambda: self.as_text(job.model, tok),
                 tools=job.tools if job.calls_tools else None,
                 add_generation_prompt=job.add_generation_prompt,
                 continue_final_message=job.continue_final_message,
@@ -364,23 +363,16 @@ def merge_stats(parts: list[RequestStats]) -> RequestStats:
 _HOLE = re.compile("\ue000(\\d+)\ue001")
 
 
-def holds_added_tokens(tok: Tokenizer, messages: list[dict[str, Any]]) -> bool:
-    """Whether a message's content spells one of ``tok``'s added tokens (``chat_prompt_ids``)."""
-    added = tuple(tok.get_added_vocab())
-    return any(
-        isinstance(c, str) and any(a in c for a in added) for c in (m.get("content") for m in messages)
-    )
-
-
 def chat_prompt_ids(
-    tok: Tokenizer, messages: list[dict[str, Any]], as_text: Any = None, **template: Any
+    tok: Tokenizer, messages: list[dict[str, Any]], as_text: Callable[[], Any] | None = None, **template: Any
 ) -> list[int]:
     """The chat template's prompt as token ids, each message's content as text: a special token's
     spelling in it (``<|im_end|>\n<|im_start|>system``) stays those characters, not the tokens
     that would close the message and open another role's turn, as OpenAI's API reads it. Rendered
     and tokenized whole (transformers' ``apply_chat_template(tokenize=True)``) where no content
     holds an added token's text; otherwise each such content is held out of the rendering and
-    tokenized by ``as_text`` (``spelling_tokenizer``: a copy made here where none is given), the
+    tokenized by the tokenizer ``as_text`` gives, asked for only then (``spelling_tokenizer``: a
+    copy, made here where no ``as_text`` is given; LocalBackend keeps one per model), the
     template around it as usual. By hand because transformers' ``split_special_tokens`` applies to
     a whole text, the template's own tokens included."""
     added = tuple(tok.get_added_vocab())
@@ -395,11 +387,11 @@ def chat_prompt_ids(
     if not held:
         return list(tok.apply_chat_template(messages, tokenize=True, **template)["input_ids"])
     text = tok.apply_chat_template(safe, tokenize=False, **template)
-    as_text = as_text or spelling_tokenizer(tok)  # LocalBackend passes the one it keeps
+    spelling = as_text() if as_text is not None else spelling_tokenizer(tok)
     ids: list[int] = []
     for i, part in enumerate(_HOLE.split(text)):  # template, content index, template, ...
         if i % 2:
-            ids += as_text(held[int(part)], add_special_tokens=False)["input_ids"]
+            ids += spelling(held[int(part)], add_special_tokens=False)["input_ids"]
         elif part:
             ids += tok(part, add_special_tokens=False)["input_ids"]
     return ids

@@ -179,7 +179,7 @@ def test_special_tokens_spelled_in_content_stay_text_while_other_prompts_tokeniz
 
     def tokenize(k: int) -> None:
         for _ in range(100):
-            if chat_prompt_ids(tok, prompts[k], as_text, add_generation_prompt=True) != want[k]:
+            if chat_prompt_ids(tok, prompts[k], lambda: as_text, add_generation_prompt=True) != want[k]:
                 wrong.append(k)
 
     threads = [threading.Thread(target=tokenize, args=(i % 2,)) for i in range(4)]
