@@ -143,9 +143,7 @@ class Ahead:
                 isinstance(d, DraftModelDrafter)
                 and drafts_argmax(d, rows[b].request.params)
                 and d.runner.length >= len(rows[b].tokens)  # it drafted this step from the pending token on
-                and (
-                    d.max_len is None or len(rows[b].tokens) + batch.n_drafts[b] + 2 <= d.max_len
-                )  # room for it
+                and ((room := d.room(rows[b].tokens)) is None or room >= batch.n_drafts[b] + 2)  # fits
                 for b, d in zip(drafting, drafters, strict=True)
             )
         ):
