@@ -194,7 +194,11 @@ class ResponseCache:
                 continue
             blob = await self.entries.get(q.tenant_tag, cand.key)
             if blob is not None:
-                return CacheHit("semantic", min(sim, 1.0), CachedResponse.from_bytes(blob))
+                # the request's own entry, stored by a twin since the exact tier missed: an exact hit
+                tier = "exact" if cand.key == q.exact_key else "semantic"
+                return CacheHit(
+                    tier, 1.0 if tier == "exact" else min(sim, 1.0), CachedResponse.from_bytes(blob)
+                )
         return None
 
     async def _embed(self, q: CacheQuery) -> np.ndarray | None:

@@ -68,6 +68,31 @@ async def test_semantic_hit_on_paraphrase(make_cache: MakeCache) -> None:
     assert header_value(hit).startswith("semantic; similarity=0.9")
 
 
+async def test_a_twin_stored_after_the_exact_miss_is_an_exact_hit(
+    make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two identical requests at once: the second's exact lookup misses, and its own entry, stored by
+    the first while its prompt was being embedded, is found by the semantic tier. That is the exact
+    answer to this request, and the header says so (it read ``semantic; similarity=1.0000``)."""
+    cache = make_cache()
+    body = chat("What is the capital of France?")
+    embed, twin_stored = cache._embed, []
+
+    async def embed_while_the_twin_stores(q: Any) -> Any:
+        vec = await embed(q)
+        if not twin_stored:
+            twin_stored.append(None)  # the twin's own store embeds too
+            twin_stored[0] = await put(cache, body, "Paris")
+        return vec
+
+    monkeypatch.setattr(cache, "_embed", embed_while_the_twin_stores)
+    q = cache.query(body, tenant="acme", endpoint="chat")
+    assert q is not None
+    hit = await cache.lookup(q)
+    assert twin_stored == [True] and hit is not None and hit.response.choices[0].text == "Paris"
+    assert header_value(hit) == "exact; similarity=1.0000"
+
+
 async def test_semantic_only_at_temperature_zero_and_without_tools(make_cache: MakeCache) -> None:
     cache = make_cache()
     for params in (
