@@ -3,7 +3,8 @@
 Precedence: command-line flags > environment (``SPECGATE_*``) > YAML file > defaults. Environment
 names follow the YAML path with ``__`` between levels (``SPECGATE_LIMITS__MAX_N=4``); values that
 look like JSON lists or objects are parsed as JSON (``SPECGATE_MODELS='[...]'``).
-``SPECGATE_API_KEYS`` is a comma-separated list. Other ``SPECGATE_*`` variables (``SPECGATE_HOME``,
+``SPECGATE_API_KEYS`` (a comma-separated list) and ``SPECGATE_REDIS_URL`` are short names for
+``SPECGATE_AUTH__API_KEYS`` and ``SPECGATE_CACHE__REDIS_URL`` (the long name wins). Other ``SPECGATE_*`` variables (``SPECGATE_HOME``,
 the model store's) are not settings and are left alone.
 
 Every section refuses unknown keys, so a typo is an error at start that names the setting, not a
@@ -148,23 +149,31 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Short names for two settings an operator sets most; the long name wins where both are set.
+ALIASES = {"SPECGATE_API_KEYS": ("auth", "api_keys"), "SPECGATE_REDIS_URL": ("cache", "redis_url")}
+
+
 def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
     layer: dict[str, Any] = {}
     for key, raw in env.items():
-        if not key.startswith(ENV_PREFIX):
+        if not key.startswith(ENV_PREFIX) or key in ALIASES:
             continue
         path = key[len(ENV_PREFIX) :].lower().split("__")
-        if key == "SPECGATE_API_KEYS":
-            path, raw_value = ["auth", "api_keys"], [k.strip() for k in raw.split(",") if k.strip()]
-            value: Any = raw_value
-        elif path[0] not in Settings.model_fields:
+        if path[0] not in Settings.model_fields:
             continue  # SPECGATE_HOME and friends belong to other parts of specgate
-        else:
-            value = json.loads(raw) if raw.strip()[:1] in ("[", "{") else raw
+        value = json.loads(raw) if raw.strip()[:1] in ("[", "{") else raw
         node = layer
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = value
+    # An alias is read here, with every other setting, so what it sets is the one value the whole
+    # gateway sees: SPECGATE_REDIS_URL read by the cache alone left the rate limits per process
+    # and `limits.shared: true` refused as having no Redis.
+    for key, (section, name) in ALIASES.items():
+        if key in env:
+            raw = env[key]
+            value = [k.strip() for k in raw.split(",") if k.strip()] if name == "api_keys" else raw
+            layer.setdefault(section, {}).setdefault(name, value)
     return layer
 
 

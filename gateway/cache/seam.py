@@ -10,15 +10,13 @@ limiter and usage metrics see it like any other response. serving.py calls::
     ...                                                             # after the last delta, not on error/disconnect:
     c.store(fmt, gen)
 
-``SPECGATE_REDIS_URL`` is honoured here as an alias of ``SPECGATE_CACHE__REDIS_URL``. The app passes
-its ``Metrics`` and tracer to ``from_settings``; every lookup, skipped ones included, is observed.
+The app passes its ``Metrics`` and tracer to ``from_settings``; every lookup, skipped ones included, is observed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -145,15 +143,11 @@ class GatewayCache:
     def from_settings(
         cls,
         settings: CacheSettings,
-        env: Mapping[str, str] | None = None,
         metrics: CacheMetrics | None = None,
         tracer: trace.Tracer | None = None,
     ) -> GatewayCache | None:
         if not settings.enabled:
             return None
-        url = (os.environ if env is None else env).get("SPECGATE_REDIS_URL")
-        if url is not None and settings.redis_url is None:
-            settings = CacheSettings.model_validate({**settings.model_dump(), "redis_url": url})
         return cls(ResponseCache(settings, metrics=metrics, tracer=tracer))
 
     async def start(self) -> None:

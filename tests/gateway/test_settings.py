@@ -82,3 +82,18 @@ def test_the_step_budgets_reach_the_engine() -> None:
         finally:
             gc.unfreeze()
             engine.shutdown()  # type: ignore[attr-defined]
+
+
+def test_redis_url_alias_is_the_setting_every_part_reads(tmp_path: Path) -> None:
+    """SPECGATE_REDIS_URL (README: "or SPECGATE_REDIS_URL") is cache.redis_url for the rate limits and
+    the settings checks too, and above the YAML file like any variable; the long name wins."""
+    url = "redis://127.0.0.1:6379/13"
+    s = load_settings(env={"SPECGATE_REDIS_URL": url, "SPECGATE_LIMITS__SHARED": "true"})
+    assert s.cache.redis_url == url and s.limits.shared
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cache: {redis_url: 'redis://from-yaml:6379/0'}\n")
+    assert load_settings(cfg, env={"SPECGATE_REDIS_URL": url}).cache.redis_url == url
+    both = {"SPECGATE_REDIS_URL": url, "SPECGATE_CACHE__REDIS_URL": "redis://long:6379/1"}
+    assert load_settings(env=both).cache.redis_url == "redis://long:6379/1"
+    keys = {"SPECGATE_API_KEYS": "a", "SPECGATE_AUTH__API_KEYS": '["b"]'}
+    assert load_settings(env=keys).auth.api_keys == ["b"]
