@@ -177,6 +177,9 @@ class Backend(Protocol):
 
     def model_ids(self) -> list[str]: ...
 
+    # the prompt tokens ``start`` will count for ``job`` (a remote upstream's: an estimate)
+    async def prompt_tokens(self, job: Job) -> int: ...
+
     async def start(self, job: Job) -> Generation: ...
 
 

@@ -98,9 +98,11 @@ def from_validation(exc: ValidationError) -> APIError:
 
 def to_api_error(exc: BaseException, prompt_param: str = "messages", retry_after: int = 1) -> APIError:
     """Map any exception raised while serving a request (the one translation point). A 429 or
-    503 always says when to retry: an upstream's, passed on, may have come without Retry-After."""
+    503 always says when to retry: an upstream's, passed on, may have come without Retry-After. One
+    that says not to retry (``x-should-retry: false``: a request too large for the key's tpm) stays so."""
     if isinstance(exc, APIError):
-        if exc.status in (429, 503) and not any(k.lower() == "retry-after" for k in exc.headers):
+        said = {k.lower() for k in exc.headers}
+        if exc.status in (429, 503) and not said & {"retry-after", "x-should-retry"}:
             exc.headers = {**exc.headers, "Retry-After": str(retry_after)}
         return exc
     if isinstance(exc, ValidationError):

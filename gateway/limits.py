@@ -282,6 +282,24 @@ class RateLimiter:
             )
         return headers
 
+    def refuse_too_large(self, requested: int, model: str, headers: dict[str, str]) -> None:
+        """Refuse a request whose own tokens (its prompt's, plus max_tokens for every choice) are more
+        than the key's whole tpm, as OpenAI refuses one: no bucket ever holds that many, so waiting
+        never helps. It was admitted, and its usage left the key in debt for minutes. A 429 in
+        OpenAI's words for it, without Retry-After and with ``x-should-retry: false``, the header
+        the OpenAI SDKs obey before their retry of every other 429."""
+        if self.tpm is None or requested <= self.tpm:
+            return
+        raise APIError(
+            429,
+            f"Request too large for {model} on tokens per min (TPM): Limit {self.tpm}, Requested "
+            f"{requested}. The input or output tokens must be reduced in order to run successfully.",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={k: v for k, v in headers.items() if k.startswith("x-ratelimit-")}
+            | {"x-should-retry": "false"},
+        )
+
     async def refund(self, key: str) -> None:
         """Give back the request ``admit`` charged, for one the gateway failed to serve (overloaded,
         stopping, no backend up: a 5xx): a client retrying after Retry-After should not then meet a

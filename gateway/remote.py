@@ -8,6 +8,8 @@ first ends our stream with that same error (a 502 for a request not streamed).
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -162,6 +164,16 @@ class RemoteBackend:
 
     def model_ids(self) -> list[str]:
         return [self.client.settings.model]
+
+    async def prompt_tokens(self, job: Job) -> int:
+        """An estimate of the prompt tokens the upstream will count, without its tokenizer: four
+        characters a token, as OpenAI estimates a request's tokens for its rate limits (messages and
+        tools as their JSON text, which counts each message's few template tokens too)."""
+        if job.kind == "chat":
+            text = json.dumps([job.messages, job.tools or []], ensure_ascii=False)
+            return math.ceil(len(text) / 4)
+        prompts = job.prompts or []
+        return sum(len(p) if isinstance(p, list) else math.ceil(len(p) / 4) for p in prompts)
 
     async def start(self, job: Job) -> Generation:
         """Raises `UpstreamError` untranslated, so that `RoutedBackend` can fall back."""

@@ -44,7 +44,7 @@ from gateway.observability import (
     observe_job,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.routing import RoutingService
+from gateway.routing import Route, RoutingService
 from gateway.settings import Settings
 from router.faults import UpstreamUnavailable
 
@@ -97,6 +97,8 @@ async def _serve(
         observe_job(job)
         route = await state.router.route(job, state.backend)
         headers["x-specgate-route"] = route.label
+        if state.limiter.tpm is not None:
+            await _refuse_too_large(state.limiter, route, headers)
         # the response names the model that serves it (`auto` resolves to a real one), as OpenAI does
         served = route.job.model
         if isinstance(req, ChatCompletionRequest):
@@ -170,6 +172,17 @@ async def _serve(
         return Response(status_code=499)
     finished()
     return JSONResponse(whole, headers=headers)
+
+
+async def _refuse_too_large(limiter: RateLimiter, route: Route, headers: dict[str, str]) -> None:
+    """A 429 at once for a request the key's tpm could never hold (RateLimiter.refuse_too_large). Its
+    tokens are counted as the router's pick will count them, with max_tokens for every choice (none
+    given: the prompt alone; whatever it generates is charged when it is done, as every response is)."""
+    _, backend, job = route.attempts[0]
+    if backend is None:
+        return  # still loading: Route.start says so
+    requested = await backend.prompt_tokens(job) + job.choices * (job.max_tokens or 0)
+    limiter.refuse_too_large(requested, job.model, headers)
 
 
 def _json_content_type(header: str | None) -> None:

@@ -124,3 +124,59 @@ def test_shared_limits_need_a_redis() -> None:
         overrides={"limits": {"rpm": 5, "shared": False}, "cache": {"redis_url": "redis://x:1/0"}}, env={}
     )
     assert create_app(s, engine=ScriptedEngine([token_ids("a")])).state.gateway.limiter.shared is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "redis"])
+async def test_a_request_larger_than_the_whole_tpm_is_refused_at_once(redis_url: str, shared: bool) -> None:
+    """Prompt + max_tokens of every choice above the key's tpm could never fit a minute's tokens:
+    a 429 in OpenAI's words, before anything generates, that the SDK does not retry (no Retry-After,
+    x-should-retry: false), and that costs the key no tokens. It was admitted, and its usage then
+    left the key in debt for minutes."""
+    import openai
+
+    prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
+    s = load_settings(
+        overrides={
+            "limits": {"tpm": 30, "shared": shared},
+            "cache": {"enabled": False, "redis_url": redis_url, "key_prefix": prefix, **UNHURRIED_REDIS},
+        },
+        env={},
+    )
+    engine = ScriptedEngine([token_ids("ab")])
+    app = create_app(s, engine=engine)  # type: ignore[arg-type]
+    sent: list[httpx.Request] = []
+
+    async def count(request: httpx.Request) -> None:
+        sent.append(request)
+
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), event_hooks={"request": [count]})
+    sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=2)
+    try:
+        r = await http.post(
+            "http://test/v1/completions", json={"model": "fake", "prompt": "xyz", "max_tokens": 10, "n": 3}
+        )
+        error = r.json()["error"]
+        assert r.status_code == 429 and error["code"] == "rate_limit_exceeded", r.text
+        assert "Limit 30, Requested 33" in error["message"] and error["message"].startswith(
+            "Request too large"
+        )
+        assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"
+        assert r.headers["x-ratelimit-limit-tokens"] == "30"
+        with pytest.raises(openai.RateLimitError, match="Request too large"):
+            await sdk.chat.completions.create(
+                model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=100
+            )
+        assert len(sent) == 2  # the SDK asked once
+        assert engine.requests == []
+        # nothing was charged: a request that fits is served, at the whole minute's tokens
+        r = await http.post(
+            "http://test/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2}
+        )
+        assert r.status_code == 200 and r.headers["x-ratelimit-remaining-tokens"] == "30", r.text
+    finally:
+        await http.aclose()
+        await app.state.gateway.limiter.aclose()
+        if shared:
+            client = redis.Redis.from_url(redis_url)
+            for key in client.keys(f"{prefix}:*"):
+                client.delete(key)

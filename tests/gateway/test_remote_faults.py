@@ -853,3 +853,24 @@ async def test_a_full_connection_pool_is_a_503_that_leaves_the_breaker_closed(up
         release.set()
         server.should_exit = True
         await task
+
+
+async def test_a_request_larger_than_the_whole_tpm_never_reaches_the_upstream(upstream: RawUpstream) -> None:
+    """An upstream's model has no tokenizer here: its prompt is estimated (four characters a token,
+    as OpenAI estimates), and a request whose estimate plus max_tokens exceeds the key's tpm is
+    refused before the upstream is called, as a local model's is."""
+    base, server, task = await serve_gateway(upstream, limits={"tpm": 100})
+    long_chat = {"model": "up-model", "messages": [{"role": "user", "content": "word " * 200}]}
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            too_large = await c.post(base + "/chat/completions", json=CHAT | {"max_tokens": 101})
+            too_long = await c.post(base + "/chat/completions", json=long_chat | {"max_tokens": 1})
+            fits = await c.post(base + "/chat/completions", json=CHAT | {"max_tokens": 50})
+    finally:
+        server.should_exit = True
+        await task
+    for r in (too_large, too_long):
+        assert r.status_code == 429 and "Request too large for up-model" in r.json()["error"]["message"]
+        assert r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers
+    assert fits.status_code == 200, fits.text
+    assert upstream.requests == 1
