@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
@@ -197,12 +196,8 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(protocol.ModelCard(id=model_id, created=request.app.state.started).model_dump())
 
 
-async def metrics(request: Request) -> Response:
-    # placeholder: observability registers its collectors into state.registry
-    return Response(generate_latest(_state(request).registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def openapi_document() -> dict[str, Any]:
+def openapi_document(metrics: bool = True) -> dict[str, Any]:
+    """``metrics``: /metrics is served (``observability.metrics``, the route observability installs)."""
     models = [
         protocol.ChatCompletionRequest,
         protocol.CompletionRequest,
@@ -272,13 +267,19 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics",
-                    "responses": {"200": {"description": "text exposition"}},
+        }
+        | (
+            {
+                "/metrics": {
+                    "get": {
+                        "summary": "Prometheus metrics",
+                        "responses": {"200": {"description": "text exposition"}},
+                    }
                 }
-            },
-        },
+            }
+            if metrics
+            else {}
+        ),
         "components": {"schemas": schemas.get("$defs", {})},
     }
 
@@ -389,7 +390,6 @@ def create_app(
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     app = Starlette(
@@ -411,7 +411,7 @@ def create_app(
     app.state.metrics = obs.metrics
     app.state.observability = obs
     app.state.started = int(time.time())
-    app.state.openapi = openapi_document()
+    app.state.openapi = openapi_document(metrics=settings.observability.metrics)
     app.state.on_load_failure = None  # server.py sets this to stop the process
     return app
 

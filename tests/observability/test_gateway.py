@@ -180,3 +180,17 @@ async def test_log_content_puts_prompt_and_completion_in_the_log_line_and_span(
     assert roots[0].attributes["gen_ai.completion"] == streamed
     assert roots[1].attributes["gen_ai.completion"] == r.json()["choices"][0]["text"]
     assert CANARY not in obs.metrics.render().decode()
+
+
+@pytest.mark.parametrize("page", ["metrics", "dashboard"])
+async def test_observability_settings_turn_their_pages_off(page: str) -> None:
+    """`observability.metrics: false` (a deployment scraping only `metrics_port`, or none) takes
+    /metrics off the API's port, as `dashboard: false` takes /dashboard off."""
+    on = create_app(load_settings(env={}))
+    off = create_app(load_settings(env={f"SPECGATE_OBSERVABILITY__{page.upper()}": "false"}))
+    async with _client(on) as c:
+        assert (await c.get(f"/{page}")).status_code == 200
+    async with _client(off) as c:
+        r = await c.get(f"/{page}")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+        assert f"/{page}" not in (await c.get("/openapi.json")).json()["paths"]
