@@ -17,7 +17,7 @@ sections when the `Router` is built, and errors name the setting.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from decoding.params import SpecMode
 
@@ -96,6 +96,13 @@ class StrategyLimits(BaseModel):
     high_temperature: float = Field(default=1.2, ge=0.0)
     # Prompt lookup for "long context, short answer": prompt chars at least this many times max_tokens.
     grounded_ratio: float = Field(default=8.0, gt=0)
+
+    @field_validator("allowed_modes", mode="before")
+    @classmethod
+    def _off_is_a_mode(cls, v: object) -> object:
+        # YAML 1.1 (PyYAML's) reads a bare `off` as false: `allowed_modes: [off, ngram]`, as this
+        # module's docstring spells it, was refused as "got False"
+        return [SpecMode.OFF if m is False else m for m in v] if isinstance(v, list) else v
 
 
 DEFAULT_MODELS = {SMALL_MODEL: LocalModel(), LARGE_MODEL: LocalModel(draft=SMALL_MODEL)}

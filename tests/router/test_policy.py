@@ -8,6 +8,7 @@ from typing import Any
 
 import pydantic
 import pytest
+import yaml
 
 from decoding.params import SpecMode, SpecParams
 from router.config import RouterSettings, TierSettings, UpstreamSettings
@@ -259,3 +260,11 @@ def test_a_request_that_may_call_tools_is_never_easy() -> None:
     assert easy.tier == "small"
     d = r.route("auto", [{"role": "user", "content": "hi"}], tools=True)
     assert d.tier == "large" and "tools" in d.reasons
+
+
+def test_a_bare_off_in_yaml_is_the_off_mode() -> None:
+    """PyYAML reads `off` as false; `allowed_modes: [off, ngram]` is how an operator writes it."""
+    s = RouterSettings.model_validate(yaml.safe_load("strategy: {allowed_modes: [off, ngram]}"))
+    assert s.strategy.allowed_modes == [SpecMode.OFF, SpecMode.NGRAM]
+    with pytest.raises(pydantic.ValidationError, match="allowed_modes"):
+        RouterSettings.model_validate(yaml.safe_load("strategy: {allowed_modes: [on]}"))
