@@ -1,8 +1,11 @@
 """Request limits: body size (also for chunked uploads), body read time, and per-key rate limits.
 
-Rate limits are token buckets per tenant, refilled continuously. Requests are charged on arrival;
-tokens (prompt + completion) once a response is done, because the completion length is unknown
-before. A tenant whose token bucket is empty or in debt is refused until it refills, as OpenAI does.
+Rate limits are token buckets per tenant, refilled continuously. Requests are charged on arrival.
+Tokens are reserved once the request is read, as OpenAI counts them: its prompt plus max_tokens for
+every choice, refused (429, Retry-After) while the bucket holds fewer, and refused at once (no
+Retry-After) when the whole tpm is fewer. When the response is done the reservation is settled to
+the tokens it used (prompt + completion), so a request without max_tokens can leave the bucket in
+debt; a tenant whose token bucket is empty or in debt is refused until it refills, as OpenAI does.
 
 The buckets live in this process, or in Redis when one is configured, so that N gateway replicas
 enforce one limit and not N (``RedisBuckets``). A Redis that fails or is slow costs a request
@@ -116,9 +119,9 @@ class _Bucket:
         self.stamp = now
 
 
-def _wait(capacity: float, level: float) -> float:
-    """Seconds until one unit is available in a bucket refilled at capacity per minute."""
-    return 0.0 if level >= 1 else (1 - level) / (capacity / 60.0)
+def _wait(capacity: float, level: float, need: float = 1) -> float:
+    """Seconds until ``need`` units are available in a bucket refilled at capacity per minute."""
+    return 0.0 if level >= need else (need - level) / (capacity / 60.0)
 
 
 class LocalBuckets:
@@ -150,9 +153,19 @@ class LocalBuckets:
             levels = {k: b.level for k, b in (("requests", requests), ("tokens", tokens)) if b is not None}
             return Decision(wait, levels)
 
-    def charge(self, key: str, tpm: int, tokens: int) -> None:
+    def reserve(self, key: str, tpm: int, tokens: int) -> Decision:
         with self._lock:
-            self._bucket("tokens", key, tpm, self._now()).level -= tokens
+            b = self._bucket("tokens", key, tpm, self._now())
+            wait = _wait(tpm, b.level, tokens)
+            if wait == 0:
+                b.level -= tokens
+            return Decision(wait, {"tokens": b.level})
+
+    def charge(self, key: str, tpm: int, tokens: int) -> None:
+        """Take ``tokens`` (a negative count gives them back, up to the bucket's capacity)."""
+        with self._lock:
+            b = self._bucket("tokens", key, tpm, self._now())
+            b.level = min(b.capacity, b.level - tokens)
 
     def refund(self, key: str, rpm: int) -> None:
         with self._lock:
@@ -163,8 +176,9 @@ class LocalBuckets:
 # The same buckets as LocalBuckets.admit, atomically in Redis, on the server's clock (gateways'
 # clocks differ). KEYS: requests bucket, tokens bucket. ARGV: rpm, tpm (0: no such limit), and
 # "charge": 1 to deduct a request when admitted, -1 to give one back (a request the gateway failed
-# to serve); a tokens-only call (ARGV[4] > 0) deducts that many tokens unconditionally (a finished
-# response's usage). A bucket is a hash {level, stamp} that
+# to serve); "spend" (ARGV[4], not 0) takes that many tokens unconditionally (a finished response's
+# settlement; negative gives them back, up to tpm); "need" (ARGV[5] > 0) reserves that many tokens
+# if the bucket holds them (LocalBuckets.reserve). A bucket is a hash {level, stamp} that
 # expires once it would be full again, so idle tenants cost no memory. Returns wait, levels.
 _LUA = """
 local t = redis.call('TIME')
@@ -180,13 +194,16 @@ local function store(key, cap, level)
   redis.call('EXPIRE', key, math.ceil((cap - level) * 60 / cap) + 1)
 end
 local rpm, tpm, charge, spend = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local need = tonumber(ARGV[5])
 local wait, rl, tl = 0, -1, -1
 if tpm > 0 then
   tl = load(KEYS[2], tpm)
-  if spend > 0 then
-    tl = tl - spend
+  if spend ~= 0 or need > 0 then
+    if spend ~= 0 then tl = math.min(tpm, tl - spend)
+    elseif tl < need then wait = (need - tl) * 60 / tpm
+    else tl = tl - need end
     store(KEYS[2], tpm, tl)
-    return {'0', tostring(rl), tostring(tl)}
+    return {tostring(wait), tostring(rl), tostring(tl)}
   end
   if tl < 1 then wait = math.max(wait, (1 - tl) * 60 / tpm) end
 end
@@ -232,15 +249,19 @@ class RedisBuckets:
         return [float(x) for x in out]
 
     async def admit(self, key: str, rpm: int | None, tpm: int | None) -> Decision:
-        wait, rl, tl = await self._run(key, rpm or 0, tpm or 0, 1, 0)
+        wait, rl, tl = await self._run(key, rpm or 0, tpm or 0, 1, 0, 0)
         levels = {k: v for k, v, limit in (("requests", rl, rpm), ("tokens", tl, tpm)) if limit is not None}
         return Decision(wait, levels)
 
+    async def reserve(self, key: str, tpm: int, tokens: int) -> Decision:
+        wait, _, tl = await self._run(key, 0, tpm, 0, 0, tokens)
+        return Decision(wait, {"tokens": tl})
+
     async def charge(self, key: str, tpm: int, tokens: int) -> None:
-        await self._run(key, 0, tpm, 0, tokens)
+        await self._run(key, 0, tpm, 0, tokens, 0)
 
     async def refund(self, key: str, rpm: int) -> None:
-        await self._run(key, rpm, 0, -1, 0)
+        await self._run(key, rpm, 0, -1, 0, 0)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -282,6 +303,33 @@ class RateLimiter:
             )
         return headers
 
+    async def reserve(self, key: str, requested: int, model: str, headers: dict[str, str]) -> int:
+        """Hold ``requested`` tokens (a request's prompt, plus max_tokens for every choice) of the
+        key's tpm until ``charge_tokens`` settles them; returns the tokens held. Updates ``headers``'
+        token levels; raises 429 if the bucket holds fewer (the request ``admit`` charged is given
+        back, as admit charges none it refuses)."""
+        if self.tpm is None or requested <= 0:
+            return 0
+        self.refuse_too_large(requested, model, headers)
+        decision = None
+        if self.shared is not None:
+            with contextlib.suppress(LimitsUnavailable):
+                decision = await self.shared.reserve(key, self.tpm, requested)
+        if decision is None:
+            decision = self.local.reserve(key, self.tpm, requested)
+        headers |= _headers("tokens", self.tpm, decision.levels["tokens"])
+        if decision.wait > 0:
+            await self.refund(key)
+            raise APIError(
+                429,
+                f"Rate limit reached for {model} on tokens per min (TPM): Limit {self.tpm}, Requested "
+                f"{requested}; retry in {decision.wait:.1f}s.",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers=headers | {"Retry-After": str(max(1, math.ceil(decision.wait)))},
+            )
+        return requested
+
     def refuse_too_large(self, requested: int, model: str, headers: dict[str, str]) -> None:
         """Refuse a request whose own tokens (its prompt's, plus max_tokens for every choice) are more
         than the key's whole tpm, as OpenAI refuses one: no bucket ever holds that many, so waiting
@@ -313,9 +361,10 @@ class RateLimiter:
         self.local.refund(key, self.rpm)
 
     def charge_tokens(self, key: str, tokens: int) -> None:
-        """A finished response's tokens. Called from the response's last callback, so the Redis
-        write runs as its own task (kept here until done)."""
-        if self.tpm is None or tokens <= 0:
+        """A finished response's tokens, less those ``reserve`` held for it (a negative count gives
+        back what it did not use). Called from the response's last callback, so the Redis write runs
+        as its own task (kept here until done)."""
+        if self.tpm is None or tokens == 0:
             return
         if self.shared is None:
             self.local.charge(key, self.tpm, tokens)
@@ -331,9 +380,13 @@ class RateLimiter:
         except LimitsUnavailable:
             self.local.charge(key, tpm, tokens)
 
-    async def aclose(self) -> None:
+    async def settled(self) -> None:
+        """Wait for the token charges on their way to Redis."""
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        await self.settled()
         if self.shared is not None:
             await self.shared.aclose()
 

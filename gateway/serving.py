@@ -84,6 +84,7 @@ async def _serve(
     settings = state.settings
     retry = settings.limits.retry_after_s
     admitted = False
+    reserved = 0  # tokens of the key's tpm held for this request until it is settled
     try:
         headers = await state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
         admitted = state.limiter.enabled
@@ -98,7 +99,7 @@ async def _serve(
         route = await state.router.route(job, state.backend)
         headers["x-specgate-route"] = route.label
         if state.limiter.tpm is not None:
-            await _refuse_too_large(state.limiter, route, headers)
+            reserved = await _reserve(state.limiter, route, headers)
         # the response names the model that serves it (`auto` resolves to a real one), as OpenAI does
         served = route.job.model
         if isinstance(req, ChatCompletionRequest):
@@ -128,6 +129,7 @@ async def _serve(
             # until then this listens itself, so the upstream's call ends with the client's
             started = await _unless_disconnected(request, route.start(), state.cut, retry)
             if started is None:
+                state.limiter.charge_tokens(request.state.tenant, -reserved)
                 return Response(status_code=499)
             decision, gen = started
             note_served(decision.model, decision.upstream)
@@ -139,6 +141,7 @@ async def _serve(
                 cached = None
     except Exception as exc:
         error = to_api_error(exc, prompt_param, retry)
+        state.limiter.charge_tokens(request.state.tenant, -reserved)  # nothing was generated
         # not served, through no fault of the client's: the gateway's failure (5xx), or an upstream
         # that turned it away (its 429 too; Route.start raises it as the APIError it becomes, from
         # it): the request is not the client's to pay
@@ -149,7 +152,7 @@ async def _serve(
     def charge() -> None:
         note_usage(gen.prompt_tokens, fmt.completion_tokens)
         note_completion(fmt.texts)  # for the log line and span, with observability.log_content
-        state.limiter.charge_tokens(job.tenant, gen.prompt_tokens + fmt.completion_tokens)
+        state.limiter.charge_tokens(job.tenant, gen.prompt_tokens + fmt.completion_tokens - reserved)
 
     def finished() -> None:  # every delta arrived (no error, no disconnect): cache it
         if cached is not None:
@@ -174,15 +177,15 @@ async def _serve(
     return JSONResponse(whole, headers=headers)
 
 
-async def _refuse_too_large(limiter: RateLimiter, route: Route, headers: dict[str, str]) -> None:
-    """A 429 at once for a request the key's tpm could never hold (RateLimiter.refuse_too_large). Its
-    tokens are counted as the router's pick will count them, with max_tokens for every choice (none
-    given: the prompt alone; whatever it generates is charged when it is done, as every response is)."""
+async def _reserve(limiter: RateLimiter, route: Route, headers: dict[str, str]) -> int:
+    """Hold the request's tokens of the key's tpm (RateLimiter.reserve), counted as the router's
+    pick will count them, with max_tokens for every choice (none given: the prompt alone; whatever
+    it generates is charged when it is done, as every response is). Returns the tokens held."""
     _, backend, job = route.attempts[0]
     if backend is None:
-        return  # still loading: Route.start says so
+        return 0  # still loading: Route.start says so
     requested = await backend.prompt_tokens(job) + job.choices * (job.max_tokens or 0)
-    limiter.refuse_too_large(requested, job.model, headers)
+    return await limiter.reserve(job.tenant, requested, job.model, headers)
 
 
 def _json_content_type(header: str | None) -> None:
