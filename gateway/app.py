@@ -46,8 +46,12 @@ log = logging.getLogger("specgate.gateway")
 
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# response headers a browser client may read (CORS): ours, and Retry-After on 429/503
-EXPOSED = "x-request-id, x-specgate-route, x-specgate-cache, retry-after"
+# response headers a browser client may read (CORS): ours, Retry-After on 429/503, the rate limits'
+# levels, and x-should-retry (the OpenAI SDKs read it to leave a request too large for the tpm alone)
+EXPOSED = ", ".join(
+    ["x-request-id", "x-specgate-route", "x-specgate-cache", "retry-after", "x-should-retry"]
+    + [f"x-ratelimit-{w}-{kind}" for w in ("limit", "remaining", "reset") for kind in ("requests", "tokens")]
+)
 
 
 def tenant_of(key: str) -> str:

@@ -429,6 +429,28 @@ async def test_disconnect_stops_generation(tiny_engine: AsyncEngine, stream: boo
     assert tiny_engine.total_steps - steps_at_hangup < 50  # far from the 400 it was asked for
 
 
+async def test_a_browser_client_reads_the_rate_limit_headers() -> None:
+    """The OpenAI SDK in a browser decides whether to retry by x-should-retry and Retry-After, and
+    rate-limit-aware clients read x-ratelimit-*: CORS exposed only Retry-After and our own headers,
+    so a browser's SDK retried a request too large for the key's tpm that it was told not to."""
+    s = load_settings(overrides={"limits": {"tpm": 10, "rpm": 5}, "cache": {"enabled": False}}, env={})
+    app = create_app(s, engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+    origin = {"origin": "https://chat.example"}
+    async with client(app) as c:
+        ok = await c.post(
+            "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2}, headers=origin
+        )
+        big = await c.post(
+            "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 20}, headers=origin
+        )
+    assert (ok.status_code, big.status_code) == (200, 429)
+    for r in (ok, big):
+        exposed = {h.strip() for h in r.headers["access-control-expose-headers"].split(",")}
+        readable = {h for h in r.headers if h in exposed or h in ("content-type", "content-length")}
+        assert {"x-ratelimit-remaining-tokens", "x-ratelimit-reset-requests"} <= readable
+    assert "x-should-retry" in {h.strip() for h in big.headers["access-control-expose-headers"].split(",")}
+
+
 async def test_cors_lets_a_browser_call_the_api() -> None:
     """A preflight needs no key and gets x-request-id; the API's answers, its 401 included, carry
     Access-Control-Allow-Origin; ``server.cors_allow_origins: []`` turns it off."""
