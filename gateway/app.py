@@ -146,9 +146,12 @@ class GatewayMiddleware:
             matches = [hmac.compare_digest(token.encode(), k.encode()) for k in keys]
             if any(matches):
                 return tenant_of(token)
+            said = "Incorrect API key provided."
+        else:  # OpenAI's words for no key: "Incorrect" sent a client that forgot the header hunting a typo
+            said = "You didn't provide an API key."
         raise APIError(
             401,
-            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+            f"{said} Send it as 'Authorization: Bearer <key>'.",
             "authentication_error",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},

@@ -429,6 +429,22 @@ async def test_disconnect_stops_generation(tiny_engine: AsyncEngine, stream: boo
     assert tiny_engine.total_steps - steps_at_hangup < 50  # far from the 400 it was asked for
 
 
+async def test_a_missing_key_is_told_apart_from_a_wrong_one() -> None:
+    """Both are OpenAI's 401 invalid_api_key, in its words for each: a request without a key (or
+    without the Bearer scheme) was told its key was incorrect."""
+    s = load_settings(overrides={"auth": {"api_keys": ["sk-a"]}, "cache": {"enabled": False}}, env={})
+    async with client(create_app(s)) as c:
+        none = await c.get("/v1/models")
+        bare = await c.get("/v1/models", headers={"authorization": "sk-a"})
+        wrong = await c.get("/v1/models", headers={"authorization": "Bearer sk-b"})
+    for r in (none, bare, wrong):
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.json()["error"]["type"] == "authentication_error" and "sk-" not in r.text
+    assert none.json()["error"]["message"].startswith("You didn't provide an API key.")
+    assert bare.json()["error"]["message"].startswith("You didn't provide an API key.")
+    assert wrong.json()["error"]["message"].startswith("Incorrect API key provided.")
+
+
 async def test_a_browser_client_reads_the_rate_limit_headers() -> None:
     """The OpenAI SDK in a browser decides whether to retry by x-should-retry and Retry-After, and
     rate-limit-aware clients read x-ratelimit-*: CORS exposed only Retry-After and our own headers,
