@@ -41,7 +41,7 @@ class RouteDecision:
     model: str  # local model name, or the upstream's model name
     backend: BackendKind
     upstream: str | None  # set for remote backends
-    strategy: SpecMode  # routed local: never AUTO; explicit models: AUTO unless overridden; remote: OFF
+    strategy: SpecMode  # routed local: never AUTO; explicit: AUTO unless overridden/not allowed; remote: OFF
     max_k: int
     score: float  # complexity in [0, 1]; 0.0 for explicit models
     reasons: tuple[str, ...]
@@ -182,6 +182,7 @@ class Router:
         # a model opts out of routing, strategy included. A name the router does not know still goes
         # to the local backend (the gateway's RoutingService answers a name nothing serves with a 404).
         limits = self.settings.strategy
+        local = self.models.get(model)
         chosen = SpecMode.AUTO
         why = ["explicit"]
         if mode is not None and mode != SpecMode.AUTO:
@@ -190,6 +191,8 @@ class Router:
                 why.append(f"override-{mode.value}")
             else:
                 why.append(f"override-{mode.value}-not-allowed")
+        if chosen not in limits.allowed_modes:  # AUTO, where config leaves it out: the nearest allowed
+            chosen = self._allowed(SpecMode.DRAFT, local is not None and local.draft is not None)
         k = max(1, min(limits.max_k, max_k) if max_k is not None else limits.max_k)
         return RouteDecision(
             EXPLICIT, model, BackendKind.LOCAL, None, chosen, k, 0.0, tuple(why), routed=False

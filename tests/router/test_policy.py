@@ -268,3 +268,19 @@ def test_a_bare_off_in_yaml_is_the_off_mode() -> None:
     assert s.strategy.allowed_modes == [SpecMode.OFF, SpecMode.NGRAM]
     with pytest.raises(pydantic.ValidationError, match="allowed_modes"):
         RouterSettings.model_validate(yaml.safe_load("strategy: {allowed_modes: [on]}"))
+
+
+@pytest.mark.parametrize(
+    ("allowed", "expected"),
+    [(["off"], SpecMode.OFF), (["off", "ngram"], SpecMode.NGRAM), (["off", "draft"], SpecMode.DRAFT)],
+)
+def test_a_named_model_keeps_to_the_allowed_modes(allowed: list[str], expected: SpecMode) -> None:
+    """`allowed_modes: [off]` turns speculation off for a request that names its model too: such a
+    request got the engine's AUTO whatever the setting said."""
+    r = Router(RouterSettings(strategy={"allowed_modes": allowed}))
+    assert r.route("qwen2.5-coder-1.5b", prompt="hi", temperature=0).strategy == expected
+    assert r.route("qwen2.5-coder-0.5b", prompt="hi", temperature=0).strategy in (
+        SpecMode.OFF,
+        SpecMode.NGRAM,
+    )
+    assert Router(RouterSettings()).route("qwen2.5-coder-1.5b", prompt="hi").strategy == SpecMode.AUTO
