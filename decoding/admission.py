@@ -55,7 +55,7 @@ def shaping(target: LoadedModel, request: GenerationRequest) -> Shaping | None:
     if request.grammar is not None:
         constraint = Constraint(request.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids)
     # the ids that would end it (Sequence.stops): none of them before min_tokens tokens
-    stops = sorted(ending_ids(params, target.eos_token_ids))
+    stops = sorted(ending_ids(params, target.eos_token_ids, request.grammar is not None))
     early = (as_ids(stops, target.device), params.min_tokens) if params.min_tokens and stops else None
     return Shaping(bias, constraint, early)
 

@@ -205,6 +205,8 @@ class QueuedStep:
                     s.shaping.commit(new)  # [shaping] the matcher advances by accepted tokens only
                 except InvalidParameter as exc:  # a grammar past llguidance's limits ends its row
                     new, finish, error = [], FinishReason.ERROR, exc  # alone, not the batch's step
+                if finish is None and s.shaping.ended:  # its output is complete: only an EOS may follow
+                    finish = FinishReason.STOP
             logprobs = None
             if params.logprobs is not None and new:
                 assert self.logits is not None, "a step keeps its logits where a row wants logprobs"

@@ -204,6 +204,11 @@ class Shaping:
             self.constraint.commit(accepted)
         self.produced += len(accepted)
 
+    @property
+    def ended(self) -> bool:
+        """The grammar has ended: it allows no token after what was committed."""
+        return self.constraint is not None and self.constraint.done
+
     def forced_drafts(self, limit: int) -> list[int]:
         """The tokens the grammar forces next, at most ``limit`` of them, kept as ``forced``: proposed
         as drafts (verification still checks them: another tokenisation of the same bytes may be

@@ -19,10 +19,15 @@ from decoding.runner import EagerRunner, SequenceRunner
 RunnerFactory = Callable[[PreTrainedModel], SequenceRunner]
 
 
-def ending_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+def ending_ids(params: SamplingParams, eos_token_ids: Iterable[int], grammar: bool = False) -> frozenset[int]:
     """The token ids that end a request (not output): its stop ids, and the model's EOS unless
-    ignored (``Sequence.stops``; min_tokens holds them all back, ``admission.shaping``)."""
-    return frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
+    ignored (``Sequence.stops``; min_tokens holds them all back, ``admission.shaping``). Under a
+    grammar EOS ends it even with ignore_eos: the grammar allows EOS only where its output may end,
+    and an EOS output there and gone on from (``ignore_eos``, as benchmark clients send it) put the
+    EOS's text inside the structured output and more after it (a regex's digits, then EOS, then
+    digits), or, once the grammar had ended, unconstrained tokens."""
+    ended = () if params.ignore_eos and not grammar else eos_token_ids
+    return frozenset(params.stop_token_ids) | frozenset(ended)
 
 
 @dataclass
@@ -80,7 +85,7 @@ class Sequence:
     def stops(self) -> frozenset[int]:
         """The token ids that end it (not output): its stop ids, and the model's EOS unless ignored
         (built once, not per row and step)."""
-        return ending_ids(self.request.params, self.target.eos_token_ids)
+        return ending_ids(self.request.params, self.target.eos_token_ids, self.request.grammar is not None)
 
     def release(self) -> None:
         self.runner.release()

@@ -215,6 +215,39 @@ def test_guided_regex_classes_are_ascii_as_vllms_backends_read_them(tiny_models,
     assert accepts(ascii) and not accepts(other)
 
 
+@pytest.mark.parametrize("mode", ["off", "draft", "ngram"])
+@pytest.mark.parametrize(
+    ("grammar", "eos_bias"),
+    [(GrammarSpec("regex", r"\d{1,5}"), 0.0), (GrammarSpec("regex", r"\d{1,5}"), 100.0),
+     (GrammarSpec("lark", 'start: "yes" | "no"'), 0.0)],
+)  # fmt: skip
+def test_a_grammars_end_ends_the_output_even_with_ignore_eos(tiny_models, mode, grammar, eos_bias):
+    """ignore_eos (as benchmark clients send it) beside a grammar: the EOS the grammar allows where
+    its output may end, ends it. It was output and gone on from: the EOS's text inside the output,
+    then more digits after it, or once the grammar had ended, unconstrained tokens (in a batch) or
+    a grammar error (alone)."""
+    from tests.decoding.test_batch import run_batch
+
+    engine = Engine(tiny_models)
+    tok = tiny_models["tiny"].tokenizer
+    eos = tok.eos_token_id
+    reqs = [
+        request(tiny_models, p, mode, grammar, bias=((eos, eos_bias),), max_tokens=40, ignore_eos=True, **kw)
+        for p, kw in (("hello", {}), ("{ json please ü", {"temperature": 1.0, "seed": 3}), ("x", {"min_tokens": 30}))
+    ]  # fmt: skip
+    reqs = [GenerationRequest(f"r{i}", *[getattr(r, f) for f in ("model", "prompt_token_ids", "params", "spec", "logit_bias", "grammar")])
+            for i, r in enumerate(reqs)]  # fmt: skip
+    checker = Constraint(grammar, tok, 259, (eos,))
+    for r in reqs:
+        tokens, _, finish = engine.generate(r)
+        assert finish == FinishReason.STOP and eos not in tokens
+        assert checker.check_drafts([*tokens, eos]) == len(tokens) + 1, tok.decode(
+            tokens
+        )  # whole and complete
+    alone = {r.request_id: engine.generate(r)[0] for r in reqs}
+    assert run_batch(engine, reqs, join_at=[0, 1, 2], budget=3) == alone
+
+
 def test_constraint_rolls_back_what_it_did_not_commit(tiny_models):
     tok = tiny_models["tiny"].tokenizer
     c = Constraint(GrammarSpec("lark", 'start: "yes" | "no"'), tok, 259, (tok.eos_token_id,))
