@@ -204,7 +204,12 @@ def serve(config: str | None = None, host: str | None = None, port: int | None =
     import decoding.loader  # noqa: F401
 
     AppStatus.disable_automatic_graceful_drain()
-    app = create_app(settings, load_engine=lambda: _build_engine(settings))
+    try:
+        app = create_app(settings, load_engine=lambda: _build_engine(settings))
+    except ValueError as exc:  # what only a built app checks: tiers' models, upstream keys, OTEL_*
+        log.debug("the app refused its settings", exc_info=True)  # `specgate -v serve`: the traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     uv = uvicorn.Config(
         app,
         host=settings.server.host,
