@@ -21,6 +21,8 @@ def _call_schema(tool: dict[str, Any], strict_only: bool = False) -> dict[str, A
     params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
     if strict_only and not fn.get("strict"):
         params = {"type": "object"}
+    elif "type" not in params:  # {"properties": ...} alone admits any value; arguments are an object
+        params = {**params, "type": "object"}
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, "arguments": params},

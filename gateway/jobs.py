@@ -256,10 +256,20 @@ def _structured(req: ChatCompletionRequest) -> dict[str, Any]:
             )
     if fmt is not None and fmt["type"] == "text":
         fmt = None  # the default; keeps the cache key of a request that did not send it
-    for t in tools or []:
+    for i, t in enumerate(tools or []):
         params = t["function"].get("parameters")
         if params is not None and not _schema_ok(params):
             raise bad_request(f"Invalid schema for function '{t['function']['name']}'.", param="tools")
+        kind = params.get("type", "object") if isinstance(params, dict) else "object"
+        if "object" not in (kind if isinstance(kind, list) else [kind]):
+            # OpenAI's refusal, in its words: a call's arguments are an object, so no call could
+            # come of any other schema (the model's [568] was markup left in content)
+            raise bad_request(
+                f"Invalid schema for function '{t['function']['name']}': schema must be a JSON Schema of "
+                f"'type: \"object\"', got 'type: \"{str(kind)[:40]}\"'.",
+                param=f"tools[{i}].function.parameters",
+                code="invalid_function_parameters",
+            )
     return {
         "tools": tools,
         "tool_choice": choice,

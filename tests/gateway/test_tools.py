@@ -9,6 +9,7 @@ from collections.abc import Collection
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from decoding.grammar import ll_tokenizer, matcher
@@ -429,3 +430,42 @@ async def test_a_stream_of_calls_alone_opens_with_content_null(
     assert first == {"role": "assistant", "content": content}
     assert sum("role" in ch["choices"][0]["delta"] for ch in chunks if ch["choices"]) == 1
     assert chunks[-1]["choices"][0]["finish_reason"] == finish
+
+
+def test_a_function_whose_schema_has_no_type_is_still_called_with_an_object() -> None:
+    """A ``parameters`` schema without ``type`` (``{"properties": ...}``) admits any JSON value: the
+    tiny model wrote ``"arguments": [568]``, which is no call, and the markup came back as content
+    under tool_choice required. Arguments are an object, as OpenAI's always are."""
+    untyped = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}},
+    }
+    tok = byte_tokenizer()
+    call = '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>'
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        spec = grammar_for(None, [untyped], choice, True)
+        assert _accepts(spec, tok, call.format('{"a": 1}'))
+        for value in ("[568]", "8772", '"x"', "null"):
+            assert not _accepts(spec, tok, call.format(value)), (choice, value)
+
+
+@pytest.mark.parametrize("kind", ["string", "array", ["string", "null"]])
+async def test_a_function_whose_parameters_are_no_object_is_refused_as_openai_refuses_it(kind: Any) -> None:
+    """OpenAI's 400 for a function whose parameters are not an object schema. It was served, and
+    no call could come of it: the arguments a call must carry are an object."""
+    engine = ScriptedEngine([token_ids("x<END>")])
+    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test/v1") as http:
+        client = openai.AsyncOpenAI(
+            api_key="unused", base_url="http://test/v1", http_client=http, max_retries=0
+        )
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(
+                model="fake", messages=[{"role": "user", "content": "x"}], tools=[WEATHER, fn]
+            )
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "tools[1].function.parameters"
+    assert body["code"] == "invalid_function_parameters" and "'f'" in body["message"]
+    assert engine.requests == []
