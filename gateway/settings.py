@@ -55,8 +55,10 @@ class ModelSettings(_Section):
     name: str = Field(min_length=1)  # the `model` clients send
     source: str  # alias, tiny-random, local directory, .gguf file or hub id (decoding.loader)
     draft: str | None = None  # name of another configured model used as this one's draft
-    dtype: str = "auto"
-    device: str = "auto"
+    # checked here, so a typo is an error at start naming the setting, not torch's once loading has
+    # begun with the port open (decoding.loader.pick_dtype and pick_device read them)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_context: int | None = Field(default=None, ge=2)
     # eager | static | cuda_graphs | compile | tensorrt | llamacpp; auto: compile (falling back to
     # cuda_graphs) on a GPU; on a CPU llamacpp for a GGUF at dtype auto where the `llamacpp` extra is

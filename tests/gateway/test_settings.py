@@ -48,6 +48,9 @@ def test_api_keys_from_env_and_json_lists() -> None:
         ({"SPECGATE_LIMITS__MAX_NN": "3"}, "limits.max_nn"),
         ({"SPECGATE_LIMITS__PREFILL_BUDGET": "0"}, "limits.prefill_budget"),
         ({"SPECGATE_MODELS": '[{"name": "a", "source": "s", "draft": "b"}]'}, "draft 'b'"),
+        # checked by the settings, before the port opens, not by torch once loading has begun
+        ({"SPECGATE_MODELS": '[{"name": "a", "source": "s", "device": "gpu"}]'}, "models.0.device"),
+        ({"SPECGATE_MODELS": '[{"name": "a", "source": "s", "dtype": "bf16"}]'}, "models.0.dtype"),
     ],
 )
 def test_errors_name_the_setting(env: dict[str, str], named: str) -> None:
