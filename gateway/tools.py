@@ -347,6 +347,15 @@ class ToolCallParser:
                 return False
             else:
                 break
+        if (
+            not self.fence
+            and not self.listed
+            and "```".startswith(self.buf[:3])
+            and not self.buf[3:].strip(_WS)
+        ):
+            # a fence closing a call it never opened (Qwen2.5-Coder-1.5B wrote ``{call}\n```\n``
+            # answering a tool result): held while nothing else follows it, and dropped at the end
+            return False
         # may the text be another call: a list's next item, a fence's next object, anything after
         another = self.buf[0] == "," if self.listed else not self.fence or self.buf[0] in "{["
         self.state = "lead" if another and self.parallel else "content"

@@ -469,3 +469,16 @@ async def test_a_function_whose_parameters_are_no_object_is_refused_as_openai_re
     assert isinstance(body, dict) and body["param"] == "tools[1].function.parameters"
     assert body["code"] == "invalid_function_parameters" and "'f'" in body["message"]
     assert engine.requests == []
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("tail", ["\n```", "\n```\n", "```  \n"])
+def test_a_fence_closing_an_unfenced_call_is_no_content(parallel: bool, tail: str) -> None:
+    """Qwen2.5-Coder-1.5B, answering a tool result, wrote an unfenced call and then the fence that
+    closes one, ``{call}\\n```\\n``: the call came back with content "```". A fence that opens
+    something after it is still read as it was."""
+    for pieces in cuttings(W + tail):
+        assert parse(pieces, NAMES, parallel)[:2] == ("", [W_CALL]), pieces
+    assert parse([f"{W}\n```py\nx\n```"], NAMES, parallel)[:2] == ("```py\nx\n```", [W_CALL])
+    if parallel:
+        assert parse([f"{W}\n```json\n{A}\n```"], NAMES)[:2] == ("", [W_CALL, A_CALL])
