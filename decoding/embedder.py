@@ -56,6 +56,7 @@ class SentenceEmbedder:
         self._model: Any = None
         self._max_tokens = 256
         self._failed = False
+        self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specgate-embed")
         self._loading: asyncio.Future[None] | None = None
 
@@ -98,6 +99,9 @@ class SentenceEmbedder:
             log.info("semantic cache: embedder loaded from %s", self.model_path)
         except Exception:
             self._failed = True
+            if self._closed:  # the process is stopping: what a cut-short load raises is no news
+                log.debug("embedder load cut short by shutdown", exc_info=True)
+                return
             log.exception("semantic cache off: embedder %s failed to load", self.model_path)
 
     def _encode(self, text: str) -> np.ndarray | None:
@@ -120,4 +124,5 @@ class SentenceEmbedder:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._encode, text)
 
     def close(self) -> None:
+        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
