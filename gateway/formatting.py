@@ -37,10 +37,32 @@ def _bytes(s: str) -> list[int]:
     return list(logprob_bytes(s))
 
 
-def _utf8() -> codecs.IncrementalDecoder:
-    """Counts a choice's characters token by token (``text_offset``): a token holding part of a
-    character (``bytes:\\xNN``) completes none until the piece that ends it arrives."""
-    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+class _Chars:
+    """Counts a choice's characters token by token (``text_offset``) as its text decodes them: a token
+    holding part of a character (``bytes:\\xNN``) starts where that character does, and one whose
+    first byte proves the bytes held before it no character starts after the U+FFFD they become."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at  # characters decoded so far
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def start(self, token: str) -> int:
+        """Where ``token`` (a logprob token) starts in the text; its characters are counted."""
+        piece = logprob_bytes(token)
+        held = self.decoder.getstate()[0]
+        at = self.at + (1 if held and piece and not _continues(held + piece[:1]) else 0)
+        self.at += len(self.decoder.decode(piece))
+        return at
+
+
+def _continues(head: bytes) -> bool:
+    """Whether ``head`` is a character or the start of one (a held prefix that the next byte breaks
+    becomes one U+FFFD, as Python's decoder and the tokenizers' replace it: its maximal subpart)."""
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data"
+    return True
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> ChatLogprobs:
@@ -253,8 +275,7 @@ class CompletionFormat(_Formatter):
         super().__init__(model, include_usage, choices)
         self.n = n
         self.echo = echo
-        self.offsets = [0] * choices  # text_offset of the next token, per choice
-        self.decoders = [_utf8() for _ in range(choices)]  # ... counted in characters
+        self.chars = [_Chars() for _ in range(choices)]  # each choice's text_offset, in characters
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * choices
         self.held: list[str | None] = [None] * choices  # a streamed echo waiting for its logprobs
         self.carried = False  # the generation's text carries its own echo (set with the generation)
@@ -284,17 +305,14 @@ class CompletionFormat(_Formatter):
             lp.tokens.append(prompt.first)
             lp.token_logprobs.append(None)
             lp.top_logprobs.append(None)
-            lp.text_offset.append(0)
-            prompt_chars = _utf8()
-            at = len(prompt_chars.decode(logprob_bytes(prompt.first)))
+            prompt_chars = _Chars()
+            lp.text_offset.append(prompt_chars.start(prompt.first))
             for e in prompt.rest:
-                _append(lp, e, at)
-                at += len(prompt_chars.decode(logprob_bytes(e.token)))
+                _append(lp, e, prompt_chars.start(e.token))
             if self.carried:
-                self.offsets[index] = at
+                self.chars[index] = prompt_chars
         for e in entries or []:
-            _append(lp, e, self.offsets[index])
-            self.offsets[index] += len(self.decoders[index].decode(logprob_bytes(e.token)))
+            _append(lp, e, self.chars[index].start(e.token))
         return lp
 
     def opening(self, gen: Generation) -> list[str]:
@@ -302,7 +320,7 @@ class CompletionFormat(_Formatter):
         out = []
         for i in range(len(self.texts)):
             echo = self._prompt_text(gen, i)
-            self.offsets[i], self.decoders[i] = len(echo), _utf8()
+            self.chars[i] = _Chars(len(echo))
             if self.echo and gen.echo_logprobs:
                 self.held[i] = echo  # sent with its prompt's logprobs, by the choice's first delta
             elif echo:
@@ -329,7 +347,7 @@ class CompletionFormat(_Formatter):
         choices = []
         for i, (text, lp) in enumerate(zip(self.texts, self.logprobs, strict=True)):
             echo = self._prompt_text(gen, i)
-            self.offsets[i], self.decoders[i] = len(echo), _utf8()
+            self.chars[i] = _Chars(len(echo))
             choices.append(
                 CompletionChoice(
                     text=echo + text,

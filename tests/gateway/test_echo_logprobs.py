@@ -195,3 +195,33 @@ def test_a_special_token_the_text_leaves_out_moves_no_offset(client: openai.Open
     assert lp is not None and lp.tokens is not None and lp.text_offset is not None
     assert lp.tokens[2:] == ["", "", ""] and "<|im_start|>" not in text and text == "ab"
     assert lp.text_offset == [0, 1, 2, 2, 2]
+
+
+def test_a_token_after_bytes_that_are_no_character_starts_after_their_replacement(
+    client: openai.OpenAI,
+) -> None:
+    """Bytes that never become a character read as U+FFFD in the text once a later byte proves it,
+    and the token that proves it starts after that U+FFFD: ``a \\xde \\xc4 \\xee 0 +`` reads
+    ``a���0+``, and "0" was said to start at 3 (a U+FFFD), "+" at 5, its own place, by luck."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok, b2u = byte_tokenizer(), bytes_to_unicode()
+    ids = [tok.convert_tokens_to_ids(b2u[b]) for b in b"a\xde\xc4\xee0+"]
+    for stream in (False, True):
+        r = client.completions.create(
+            model="tiny", prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=0, stream=stream
+        )
+        chunks = list(r) if stream else [r]  # type: ignore[arg-type]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [
+            t
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens or []
+        ]
+        offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []]  # fmt: skip
+        assert text.startswith("a\ufffd\ufffd\ufffd0+") and len(tokens) == len(offsets) == 8
+        assert offsets[:6] == [0, 1, 2, 3, 4, 5]
+        for token, at in zip(tokens, offsets, strict=True):  # a whole character stands where it starts
+            if not token.startswith("bytes:") and token:
+                assert text[at : at + len(token)] == token, (token, at, text)
