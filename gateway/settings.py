@@ -4,7 +4,8 @@ Precedence: command-line flags > environment (``SPECGATE_*``) > YAML file > defa
 names follow the YAML path with ``__`` between levels (``SPECGATE_LIMITS__MAX_N=4``); values that
 look like JSON lists or objects are parsed as JSON (``SPECGATE_MODELS='[...]'``).
 ``SPECGATE_API_KEYS`` (a comma-separated list) and ``SPECGATE_REDIS_URL`` are short names for
-``SPECGATE_AUTH__API_KEYS`` and ``SPECGATE_CACHE__REDIS_URL`` (the long name wins). Other ``SPECGATE_*`` variables (``SPECGATE_HOME``,
+``SPECGATE_AUTH__API_KEYS`` and ``SPECGATE_CACHE__REDIS_URL`` (the long name wins). A name with
+``__`` whose first part is no section is an error; other ``SPECGATE_*`` variables (``SPECGATE_HOME``,
 the model store's) are not settings and are left alone.
 
 Every section refuses unknown keys, so a typo is an error at start that names the setting, not a
@@ -162,6 +163,9 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         path = key[len(ENV_PREFIX) :].lower().split("__")
         if path[0] not in Settings.model_fields:
+            if len(path) > 1:  # a path, so meant as a setting: a misspelt section was ignored silently
+                sections = ", ".join(Settings.model_fields)
+                raise SettingsError(f"{key}: {path[0]!r} is no settings section (one of {sections})")
             continue  # SPECGATE_HOME and friends belong to other parts of specgate
         value = json.loads(raw) if raw.strip()[:1] in ("[", "{") else raw
         node = layer
