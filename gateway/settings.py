@@ -5,7 +5,8 @@ names follow the YAML path with ``__`` between levels (``SPECGATE_LIMITS__MAX_N=
 look like JSON lists or objects are parsed as JSON (``SPECGATE_MODELS='[...]'``).
 ``SPECGATE_API_KEYS`` (a comma-separated list) and ``SPECGATE_REDIS_URL`` are short names for
 ``SPECGATE_AUTH__API_KEYS`` and ``SPECGATE_CACHE__REDIS_URL`` (the long name wins). A name with
-``__`` whose first part is no section is an error; other ``SPECGATE_*`` variables (``SPECGATE_HOME``,
+``__`` whose first part is no section, or a setting's name without its section (``SPECGATE_PORT``),
+is an error; other ``SPECGATE_*`` variables (``SPECGATE_HOME``,
 the model store's) are not settings and are left alone.
 
 Every section refuses unknown keys, so a typo is an error at start that names the setting, not a
@@ -166,6 +167,15 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
             if len(path) > 1:  # a path, so meant as a setting: a misspelt section was ignored silently
                 sections = ", ".join(Settings.model_fields)
                 raise SettingsError(f"{key}: {path[0]!r} is no settings section (one of {sections})")
+            meant = [
+                f"{ENV_PREFIX}{section.upper()}__{key[len(ENV_PREFIX) :]}"
+                for section, field in Settings.model_fields.items()
+                if isinstance(field.annotation, type)
+                and issubclass(field.annotation, BaseModel)
+                and path[0] in field.annotation.model_fields
+            ]
+            if meant:  # SPECGATE_PORT: a setting's name without its section
+                raise SettingsError(f"{key} is no setting: {' or '.join(meant)} is")
             continue  # SPECGATE_HOME and friends belong to other parts of specgate
         value = json.loads(raw) if raw.strip()[:1] in ("[", "{") else raw
         node = layer

@@ -48,6 +48,7 @@ def test_api_keys_from_env_and_json_lists() -> None:
         ({"SPECGATE_LIMITS__MAX_NN": "3"}, "limits.max_nn"),
         # a misspelt section: a path, so meant as a setting, which nothing else would read
         ({"SPECGATE_LIMIT__MAX_N": "3"}, "SPECGATE_LIMIT__MAX_N"),
+        ({"SPECGATE_PORT": "9000"}, "SPECGATE_SERVER__PORT"),  # a setting's name without its section
         ({"SPECGATE_LIMITS__PREFILL_BUDGET": "0"}, "limits.prefill_budget"),
         ({"SPECGATE_MODELS": '[{"name": "a", "source": "s", "draft": "b"}]'}, "draft 'b'"),
         # checked by the settings, before the port opens, not by torch once loading has begun
