@@ -251,3 +251,29 @@ def test_existing_claim_is_used_and_no_claim_is_created() -> None:
 def test_values_schema_refuses_typos_and_impossible_values(values: dict[str, Any], complaint: str) -> None:
     with pytest.raises(Exception, match=re.escape(complaint)):
         render(values)
+
+
+@pytest.mark.parametrize(
+    ("config", "values", "complaint"),
+    [
+        # the chart's SPECGATE_LIMITS__DRAIN_TIMEOUT_S overrides the file: 120 would have been 30,
+        # and the grace-period check would have passed against 30
+        ({"limits": {"drain_timeout_s": 120}}, {}, "drainTimeoutSeconds"),
+        # the entrypoint's --host and the probes' and Service's port 8000 are the pod's
+        ({"server": {"port": 9000}}, {}, "server.port"),
+        ({"server": {"host": "127.0.0.1"}}, {}, "server.host"),
+        ({"cache": {"redis_url": "redis://a:6379/0"}}, {"redis": {"url": "redis://b:6379/0"}}, "redis.url"),
+    ],
+)
+def test_config_the_chart_would_override_is_refused(
+    config: dict[str, Any], values: dict[str, Any], complaint: str
+) -> None:
+    with pytest.raises(Exception, match=re.escape(complaint)):
+        render({"config": config, **values})
+
+
+def test_config_the_chart_leaves_alone_renders() -> None:
+    c = gateway_container(
+        render({"config": {"cache": {"redis_url": "redis://a:6379/0"}, "limits": {"rpm": 5}}})
+    )
+    assert "SPECGATE_CACHE__REDIS_URL" not in env(c)

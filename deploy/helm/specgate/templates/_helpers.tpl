@@ -39,6 +39,26 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* Settings in `config` that the chart sets itself, by environment (which wins over the file) or
+by the container's flags and ports: refused, so none is ignored silently. */}}
+{{- define "specgate.checkConfig" -}}
+{{- $c := .Values.config | default dict -}}
+{{- $limits := $c.limits | default dict -}}
+{{- $server := $c.server | default dict -}}
+{{- $cache := $c.cache | default dict -}}
+{{- if hasKey $limits "drain_timeout_s" -}}
+{{- fail "config.limits.drain_timeout_s: set drainTimeoutSeconds instead (the chart passes it as SPECGATE_LIMITS__DRAIN_TIMEOUT_S, which overrides the file, and checks the grace period against it)" -}}
+{{- end -}}
+{{- range $key := list "host" "port" -}}
+{{- if hasKey $server $key -}}
+{{- fail (printf "config.server.%s: the container listens on 0.0.0.0:8000 (the entrypoint's --host, the probes' and Service's port); leave it out" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (hasKey $cache "redis_url") (or $.Values.redis.url $.Values.redis.existingSecret) -}}
+{{- fail "config.cache.redis_url and redis.url/redis.existingSecret both set: the chart's SPECGATE_CACHE__REDIS_URL would override the file; set one" -}}
+{{- end -}}
+{{- end -}}
+
 {{/* settings.models as JSON: the target with its draft, and the draft served on its own too. */}}
 {{- define "specgate.models" -}}
 {{- $m := .Values.model -}}
