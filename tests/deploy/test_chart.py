@@ -263,6 +263,7 @@ def test_values_schema_refuses_typos_and_impossible_values(values: dict[str, Any
         ({"server": {"port": 9000}}, {}, "server.port"),
         ({"server": {"host": "127.0.0.1"}}, {}, "server.host"),
         ({"cache": {"redis_url": "redis://a:6379/0"}}, {"redis": {"url": "redis://b:6379/0"}}, "redis.url"),
+        ({"auth": {"api_keys": ["sk-in-a-configmap"]}}, {}, "apiKeys.existingSecret"),  # never inlined
     ],
 )
 def test_config_the_chart_would_override_is_refused(

@@ -54,6 +54,9 @@ by the container's flags and ports: refused, so none is ignored silently. */}}
 {{- fail (printf "config.server.%s: the container listens on 0.0.0.0:8000 (the entrypoint's --host, the probes' and Service's port); leave it out" $key) -}}
 {{- end -}}
 {{- end -}}
+{{- if hasKey ($c.auth | default dict) "api_keys" -}}
+{{- fail "config.auth.api_keys: keys do not belong in a ConfigMap; put them in a Secret and name it in apiKeys.existingSecret" -}}
+{{- end -}}
 {{- if and (hasKey $cache "redis_url") (or $.Values.redis.url $.Values.redis.existingSecret) -}}
 {{- fail "config.cache.redis_url and redis.url/redis.existingSecret both set: the chart's SPECGATE_CACHE__REDIS_URL would override the file; set one" -}}
 {{- end -}}
