@@ -1,7 +1,8 @@
 """The OpenAI wire schemas (requests and responses), in one module.
 
 Requests validate strictly (OpenAI refuses ``"max_tokens": "5"``; so do we) and ignore unknown fields
-as OpenAI does. Integers may arrive as integral floats (``568.0``: JSON Schema's ``integer`` admits
+as vLLM does: OpenAI refuses them ("Unrecognized request argument supplied"), but clients written for
+other servers send extras of their own (Open WebUI's ``num_keep``), which a drop-in server serves. Integers may arrive as integral floats (``568.0``: JSON Schema's ``integer`` admits
 them, so schema-driven clients send them) and every integer has a range it can be held in, so an
 out-of-range value is a 400 here and never an overflow further down. Parameters we cannot honour yet are declared so they can be refused by name
 (``UNSUPPORTED``) rather than silently dropped.
