@@ -278,3 +278,18 @@ def test_config_the_chart_leaves_alone_renders() -> None:
         render({"config": {"cache": {"redis_url": "redis://a:6379/0"}, "limits": {"rpm": 5}}})
     )
     assert "SPECGATE_CACHE__REDIS_URL" not in env(c)
+
+
+def _notes(values: dict[str, Any]) -> str:
+    with helm().Chart.load(str(CHART)) as chart:
+        files = chart.render(values, name="specgate", namespace=NAMESPACE)
+    return next(text for path, text in files.items() if path.endswith("NOTES.txt"))
+
+
+def test_notes_warn_of_replicas_without_a_shared_redis_only_when_there_is_none() -> None:
+    warning = "keep their own cache"
+    assert warning in _notes({"replicaCount": 2})
+    assert warning in _notes({"autoscaling": {"enabled": True}})  # the autoscaler adds replicas
+    assert warning not in _notes({"replicaCount": 2, "redis": {"url": "redis://r:6379/0"}})
+    assert warning not in _notes({"replicaCount": 2, "config": {"cache": {"redis_url": "redis://r:6379/0"}}})
+    assert warning not in _notes({})
