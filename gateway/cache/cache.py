@@ -194,11 +194,10 @@ class ResponseCache:
                 continue
             blob = await self.entries.get(q.tenant_tag, cand.key)
             if blob is not None:
-                # the request's own entry, stored by a twin since the exact tier missed: an exact hit
-                tier = "exact" if cand.key == q.exact_key else "semantic"
-                return CacheHit(
-                    tier, 1.0 if tier == "exact" else min(sim, 1.0), CachedResponse.from_bytes(blob)
-                )
+                response = CachedResponse.from_bytes(blob)
+                if cand.key == q.exact_key:  # its own entry, stored by a twin since the exact tier missed
+                    return CacheHit("exact", 1.0, response)
+                return CacheHit("semantic", min(sim, 1.0), response)
         return None
 
     async def _embed(self, q: CacheQuery) -> np.ndarray | None:
