@@ -62,8 +62,10 @@ class IncrementalDetokenizer:
 
 class StopMatcher:
     """Feed text pieces (one a token); get back what is safe to send and whether a stop string ended
-    the output. The first ``after`` pieces are not searched (vLLM's min_tokens: no stop before them),
-    so a stop string ending among them is output."""
+    the output. A stop counts only where it ends in a piece after the first ``after`` (vLLM's
+    min_tokens: no stop before them), so a stop string ending among them is output, while one that
+    begins among them and ends after them ends the output where it begins, as vLLM cuts it: their
+    text is held back like any other that could start a stop."""
 
     def __init__(self, stops: list[str], after: int = 0):
         self.stops = [s for s in stops if s]
@@ -74,13 +76,15 @@ class StopMatcher:
     def feed(self, text: str) -> str:
         if self.stopped:
             return ""
-        if self.unarmed > 0:
-            self.unarmed -= 1
-            return text
         if not self.stops:
             return text
+        searched = len(self.pending)  # a stop must end after this: in ``text``
         self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if self.unarmed > 0:
+            self.unarmed -= 1
+            searched = len(self.pending)
+        starts = (self.pending.find(s, max(0, searched - len(s) + 1)) for s in self.stops)
+        cut = min((i for i in starts if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             out, self.pending = self.pending[:cut], ""

@@ -513,6 +513,23 @@ async def test_cors_lets_a_browser_call_the_api() -> None:
         )
 
 
+async def test_a_stop_spanning_the_end_of_min_tokens_ends_the_output_streamed_or_not() -> None:
+    """A stop string that begins within the first min_tokens tokens and ends after them ends the
+    output, as vLLM finds it, streamed and whole alike: the streamed text had already gone out and
+    the output ran on with the stop in it."""
+    engine = ScriptedEngine([token_ids("xyz"), token_ids("END!more")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    body = {"model": "fake", "messages": MSGS, "stop": ["zEN"], "min_tokens": 3}
+    async with client(app) as c:
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        raw = (await c.post("/v1/chat/completions", json={**body, "stream": True})).text
+    assert whole["choices"][0]["message"]["content"] == "xy"
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == 5  # x y z E N: the last one completes the stop
+    chunks = [json.loads(d) for d in sse_data(raw) if d != "[DONE]"]
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == "xy"
+
+
 async def test_vllms_sampling_extras_reach_the_engine_and_hold_back_stop_strings() -> None:
     """min_tokens, ignore_eos, min_p and repetition_penalty (vLLM's extra body fields, which its
     users and benchmark clients send) reach the engine's SamplingParams; they were dropped. A stop

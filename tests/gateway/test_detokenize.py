@@ -74,6 +74,21 @@ def test_no_stops_passes_through() -> None:
     assert feed_all([], ["a", "b"]) == (["a", "b", ""], False)
 
 
+def test_a_stop_beginning_within_min_tokens_and_ending_after_them_ends_the_output() -> None:
+    """vLLM's min_tokens: a stop counts where it ends after the first ``after`` pieces, even begun
+    among them, and cuts where it begins (that text is held back meanwhile); one ending among them is
+    output. The stop beginning in the 2nd piece of 3 was missed and the output ran on past it."""
+    m = StopMatcher(["STOP"], after=3)
+    out = [m.feed(p) for p in ["ab", "ST", "O", "P", "tail"]]
+    assert m.stopped and out == ["ab", "", "", "", ""]
+    m = StopMatcher(["STOP", "b"], after=2)
+    out = [m.feed(p) for p in ["STOP", "ab", "c"]] + [m.flush()]
+    assert not m.stopped and "".join(out) == "STOPabc"
+    m = StopMatcher(["aa"], after=2)  # ends in the 3rd piece, begins in the 2nd: cut there
+    out = [m.feed(p) for p in ["a", "a", "a"]]
+    assert m.stopped and "".join(out) == "a"
+
+
 class _PieceTokenizer:
     """A SentencePiece-style vocabulary: byte-fallback pieces ``<0xNN>`` beside whole words."""
 
