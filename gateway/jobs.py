@@ -102,7 +102,7 @@ def to_job(
         max_tokens=limit,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p or SMALLEST_TOP_P,
-        top_k=req.top_k or 0,
+        top_k=max(req.top_k or 0, 0),  # vLLM's -1: every token, as 0
         seed=req.seed,
         stops=tuple(req.stops),
         presence_penalty=req.presence_penalty,

@@ -72,6 +72,8 @@ Int = Annotated[int, BeforeValidator(_integral)]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_integral)]
 Count = Annotated[int, Field(ge=1, le=INT64_MAX), BeforeValidator(_integral)]  # max_tokens, n
 TopK = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_integral)]
+# vLLM's top_k: 0 or -1 (its default for years, which its clients send) take every token
+VllmTopK = Annotated[int, Field(ge=-1, le=INT64_MAX), BeforeValidator(_integral)]
 # a completion's max_tokens: 0 is the legacy API's "score the prompt" (echo, logprobs, nothing generated)
 EchoCount = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_integral)]
 MaxK = Annotated[int, Field(ge=1, le=32), BeforeValidator(_integral)]
@@ -238,7 +240,7 @@ class _Sampling(_Request):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # extra body fields (the SDK's extra_body)
-    top_k: TopK | None = None
+    top_k: VllmTopK | None = None
     # vLLM's sampling extras, as vLLM reads them: tokens before EOS or a stop may end the output, no
     # end at EOS, tokens below min_p x the likeliest dropped, tokens already in the prompt or output
     # penalised (logit / r where positive, x r where negative)

@@ -1,0 +1,44 @@
+"""A request body as the Job a backend serves (gateway/jobs.py): values other servers' clients send."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.remote import _body
+from gateway.settings import load_settings
+from tests.gateway.fakes import ScriptedEngine, token_ids
+
+
+async def test_vllms_top_k_minus_one_is_no_top_k() -> None:
+    """vLLM reads top_k -1 as "all tokens" (its default for years, and what clients written for it
+    send): it was a 400 here. Below -1 is refused, as vLLM refuses it."""
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test/v1") as http:
+        client = openai.AsyncOpenAI(
+            api_key="unused", base_url="http://test/v1", http_client=http, max_retries=0
+        )
+        chat = await client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "x"}], extra_body={"top_k": -1}
+        )
+        done = await client.completions.create(model="fake", prompt="x", extra_body={"top_k": -1})
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model="fake", prompt="x", extra_body={"top_k": -2})
+    assert chat.choices[0].message.content == "ok" and done.choices[0].text == "ok"
+    assert [r.params.top_k for r in engine.requests] == [0, 0]
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "top_k"
+
+
+def test_top_k_minus_one_goes_to_no_upstream() -> None:
+    """An upstream is sent top_k only where it cuts (OpenAI's own API has no top_k)."""
+    from gateway.jobs import to_job
+    from gateway.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": -1}
+    )
+    job = to_job(req, "r", "anonymous", load_settings(env={}))
+    assert job.top_k == 0 and "top_k" not in _body(job)
