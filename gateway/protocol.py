@@ -44,11 +44,15 @@ UNSUPPORTED = (
         "prompt_logprobs",
         "use_beam_search",
         "truncate_prompt_tokens",
+        # a client's own Jinja template: vLLM refuses one too unless started with
+        # --trust-request-chat-template (it runs the client's code in the server)
+        "chat_template",
     ),
 )
 VLLM_INSTEAD = {
     "stop_token_ids": "stop (strings)",
     "prompt_logprobs": "echo with logprobs on /v1/completions",
+    "chat_template": "/v1/completions with the prompt formatted as you need",
 }
 # vLLM's guided decoding, on chat and legacy completions: one of them at a time, and not beside
 # response_format or tools (jobs._guided)
@@ -270,6 +274,7 @@ class _Sampling(_Request):
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
+    chat_template: Any = None
 
     @property
     def stops(self) -> list[str]:

@@ -299,6 +299,7 @@ VLLM_SET = {  # its guided decoding is served (tests/gateway/test_structured.py)
     "prompt_logprobs": 0,
     "use_beam_search": True,
     "truncate_prompt_tokens": 4,
+    "chat_template": "{{ messages[0].content }}",  # was served with the model's own template
 }
 
 
