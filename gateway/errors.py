@@ -65,22 +65,37 @@ def unavailable(message: str, retry_after: int, code: str = "unavailable") -> AP
     return APIError(503, message, "server_error", code=code, headers={"Retry-After": str(retry_after)})
 
 
+def _branch(part: int | str) -> bool:
+    """A union branch's name that pydantic adds to a location (str, list[str], literal[...],
+    NamedToolChoice): the wire's field names are lower case."""
+    return isinstance(part, str) and (part in ("str", "int") or "[" in part or part[:1].isupper())
+
+
 def _loc(loc: tuple[int | str, ...]) -> str | None:
     """pydantic's ('messages', 0, 'role') -> 'messages[0].role'."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "int") or "[" in part:
-            continue  # union branch names pydantic adds to a location (list[str], list[function-before...])
-        else:
+        elif not _branch(part):
             out += f".{part}" if out else str(part)
     return out or None
 
 
+def _reported(errors: list[Any]) -> Any:
+    """The error to report: the first, or where it is a union's, the error of the branch the value
+    went furthest into (a text part without its text is that, not "should be a valid string")."""
+    first = errors[0]
+    loc = tuple(first["loc"])
+    cut = next((i for i, part in enumerate(loc) if _branch(part)), None)
+    if cut is None:
+        return first
+    return max((e for e in errors if tuple(e["loc"])[:cut] == loc[:cut]), key=lambda e: len(e["loc"]))
+
+
 def from_validation(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
-    first = errors[0]
+    first = _reported(errors)
     if first["type"] == "json_invalid":
         return bad_request(
             "We could not parse the JSON body of your request. (HINT: This likely means you aren't using "

@@ -192,6 +192,25 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
         400,
         "logit_bias",
     ),
+    (  # a union's error comes from the branch the value went furthest into: these were "Invalid
+        # value for 'messages[0].content': Input should be a valid string (got list)", and the like
+        "text part without its text",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+        400,
+        "messages[0].content[0].text",
+    ),
+    (
+        "stop list of no strings",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": [1]}',
+        400,
+        "stop[0]",
+    ),
+    (
+        "named tool_choice without its function",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}}',
+        400,
+        "tool_choice.function",
+    ),
     (  # OpenAI documents that top_logprobs needs logprobs: true, and refuses it without
         "top_logprobs without logprobs",
         b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
