@@ -75,6 +75,11 @@ def to_job(
     if limit is not None and limit > limits.max_max_tokens:
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         raise bad_request(f"{param} must be at most {limits.max_max_tokens}, got {limit}.", param=param)
+    if limit is not None and req.min_tokens > limit:  # as vLLM refuses it: neither could be honoured
+        raise bad_request(
+            f"min_tokens must be less than or equal to max_tokens={limit}, got {req.min_tokens}.",
+            param="min_tokens",
+        )
     if len(req.stops) > limits.max_stops:
         raise bad_request(
             f"At most {limits.max_stops} stop sequences are allowed, got {len(req.stops)}.", param="stop"

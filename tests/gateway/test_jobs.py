@@ -42,3 +42,19 @@ def test_top_k_minus_one_goes_to_no_upstream() -> None:
     )
     job = to_job(req, "r", "anonymous", load_settings(env={}))
     assert job.top_k == 0 and "top_k" not in _body(job)
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x", "max_tokens": 3}, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3}])  # fmt: skip
+def test_min_tokens_above_max_tokens_is_refused_as_vllm_refuses_it(body: dict[str, object]) -> None:
+    """vLLM's 400 ("min_tokens must be less than or equal to max_tokens"): it was served, cut at
+    max_tokens, with a 200 that honoured neither."""
+    from gateway.errors import APIError
+    from gateway.jobs import to_job
+    from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+    cls = CompletionRequest if "prompt" in body else ChatCompletionRequest
+    settings = load_settings(env={})
+    with pytest.raises(APIError) as e:
+        to_job(cls.model_validate({"model": "m", "min_tokens": 4, **body}), "r", "anonymous", settings)
+    assert e.value.status == 400 and e.value.param == "min_tokens"
+    to_job(cls.model_validate({"model": "m", "min_tokens": 3, **body}), "r", "anonymous", settings)
