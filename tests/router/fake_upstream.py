@@ -71,8 +71,9 @@ async def pieces(evs: list[bytes], delay: float, hold: bool = False) -> AsyncIte
 
 async def completions(request: Request) -> Response:
     body = await request.json()
+    peer = f"{request.client.host}:{request.client.port}" if request.client else None  # the connection
     seen.append({"headers": dict(request.headers), "body": body,
-                 "traceparents": request.headers.getlist("traceparent")})  # fmt: skip
+                 "traceparents": request.headers.getlist("traceparent"), "peer": peer})  # fmt: skip
     action = script.pop(0) if script else {"kind": "ok"}
     kind = action.get("kind", "ok")
     if kind == "hang":

@@ -71,6 +71,18 @@ async def test_stream_passthrough_is_byte_correct(upstream: FakeUpstream, client
     assert body["model"] == "up-model" and body["stream"] is True and "speculative" not in body
 
 
+async def test_requests_one_after_another_reuse_one_connection(
+    upstream: FakeUpstream, client: UpstreamClient
+) -> None:
+    """A whole answer's connection goes back to the pool: closed before the chunked body's end was
+    read (it follows [DONE]), each request opened a new one, a TLS handshake each to a hosted API."""
+    for _ in range(5):
+        events = await collect(client)
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        await asyncio.sleep(0.05)  # the body's end is read in the background, after the answer
+    assert len({s["peer"] for s in upstream.seen()}) == 1
+
+
 async def test_chunks_rewritten_to_our_id_and_model(client: UpstreamClient) -> None:
     rw = Rewrite(id="chatcmpl-ours", model="auto", created=123, include_usage=True)
     events = await collect(client, rw)
