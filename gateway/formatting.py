@@ -65,6 +65,18 @@ def _continues(head: bytes) -> bool:
     return True
 
 
+# Characters JSON leaves raw in a string that Python's str.splitlines ends a line at, and so httpx's
+# iter_lines (how many clients and tests read an SSE stream): an event whose text held one arrived as
+# two lines, neither of them JSON. Escaped as \uXXXX they parse back to themselves in any JSON reader.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def sse_json(text: str) -> str:
+    """An event's JSON with no character any common line reader ends a line at (SSE itself ends one
+    at CR and LF only, which JSON always escapes)."""
+    return text.translate(_LINE_BREAKS)
+
+
 def chat_logprobs(entries: list[LogprobEntry]) -> ChatLogprobs:
     return ChatLogprobs(
         content=[
@@ -129,7 +141,7 @@ class _Formatter:
         )
 
     def _dump(self, obj: Any) -> str:
-        return str(obj.model_dump_json(exclude=None if self.include_usage else {"usage"}))
+        return sse_json(obj.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
 
 class ChatFormat(_Formatter):

@@ -188,6 +188,26 @@ def test_raw_sse_bytes(server: Server, headers: dict[str, str]) -> None:
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
 
+def test_text_with_unicode_line_separators_reads_line_by_line(
+    server: Server, headers: dict[str, str]
+) -> None:
+    """U+2028, U+2029 and U+0085 in a stream's text are JSON escapes, not raw characters: httpx's
+    iter_lines (str.splitlines' line ends) cut such an event in two, neither part JSON, so a client
+    reading the stream line by line failed on an echoed prompt or a model's text holding one."""
+    prompt = "a\u2028b\u2029c\x85d"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line and not line.startswith(":")]
+    assert all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    offsets = [
+        o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert text.startswith(prompt) and len(offsets) == len(prompt.encode()) + 2  # a byte a token
+
+
 def test_raw_non_streamed_shape(server: Server, headers: dict[str, str]) -> None:
     r = httpx.post(
         server.base_url + "/chat/completions",
