@@ -55,6 +55,8 @@ def to_job(
         # any JSON, or OpenAI's default web search)
         if value is None or value is False or value == "" or value == []:
             continue
+        if name == "modalities" and value == ["text"]:  # OpenAI's default: what is served here
+            continue
         if name != "best_of" or selects:
             instead = f" Use {VLLM_INSTEAD[name]} instead." if name in VLLM_INSTEAD else ""
             raise bad_request(f"The parameter '{name}' is not supported by this server.{instead}", param=name)

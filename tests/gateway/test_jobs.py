@@ -58,3 +58,23 @@ def test_min_tokens_above_max_tokens_is_refused_as_vllm_refuses_it(body: dict[st
         to_job(cls.model_validate({"model": "m", "min_tokens": 4, **body}), "r", "anonymous", settings)
     assert e.value.status == 400 and e.value.param == "min_tokens"
     to_job(cls.model_validate({"model": "m", "min_tokens": 3, **body}), "r", "anonymous", settings)
+
+
+def test_text_as_the_only_modality_is_served() -> None:
+    """``modalities: ["text"]`` is OpenAI's default, what this server does: it was refused as an
+    unsupported parameter. Audio is still refused by name."""
+    from gateway.errors import APIError
+    from gateway.jobs import to_job
+    from gateway.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    settings = load_settings(env={})
+    to_job(ChatCompletionRequest.model_validate({**body, "modalities": ["text"]}), "r", "anonymous", settings)
+    with pytest.raises(APIError) as e:
+        to_job(
+            ChatCompletionRequest.model_validate({**body, "modalities": ["text", "audio"]}),
+            "r",
+            "anonymous",
+            settings,
+        )
+    assert e.value.param == "modalities"
