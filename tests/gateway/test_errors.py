@@ -478,11 +478,15 @@ def test_probes_and_metrics_need_no_auth_but_the_api_does(server: Server) -> Non
 
 
 def test_sdk_raises_typed_errors(server: Server) -> None:
-    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)  # type: ignore[arg-type]
-    assert e.value.param == "messages"  # type: ignore[attr-defined]
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.base_url, api_key="bad", max_retries=0).models.list()
+    # closed: a client left open is a socket the garbage collector reports in some later test
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[], max_tokens=2)  # type: ignore[arg-type]
+        assert e.value.param == "messages"  # type: ignore[attr-defined]
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="nope", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
+    with (
+        openai.OpenAI(base_url=server.base_url, api_key="bad", max_retries=0) as stranger,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        stranger.models.list()
