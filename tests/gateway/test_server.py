@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import openai
@@ -14,13 +15,15 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 @pytest.fixture
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:  # its sockets closed
+        yield c
 
 
 @pytest.fixture
-def aclient(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+async def aclient(server: Server) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:
+        yield c
 
 
 def test_models(client: openai.OpenAI) -> None:

@@ -91,8 +91,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:  # its sockets closed
+        yield c
 
 
 def spec(mode: str) -> dict[str, Any]:
