@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from gateway.backends import Delta, Generation, LogprobEntry, PromptLogprobs
@@ -167,6 +168,10 @@ class ChatFormat(_Formatter):
         # them); the choices still to open, None where every opening goes out first
         self.unopened: set[int] | None = set(range(choices)) if calls_tools and not calls_only else None
         self.calls: list[list[dict[str, Any]]] = [[] for _ in range(choices)]  # tool_calls per choice
+        # choices opened with content null: a chunk of logprobs alone (a tool call's tokens) carries
+        # no content key, or the SDK's stream helper would end with content "" where the whole is null
+        self.no_content: set[int] = set()
+        self.early: dict[int, list[LogprobEntry]] = {}  # logprobs of an unopened choice's held text
 
     def fold(self, d: Delta) -> None:
         super().fold(d)
@@ -208,6 +213,8 @@ class ChatFormat(_Formatter):
         return [self._chunk([ChunkChoice(index=d.index, delta={"tool_calls": [c]})]) for c in out]
 
     def _opening(self, index: int, calls: bool) -> str:
+        if calls:
+            self.no_content.add(index)
         return self._chunk(
             [ChunkChoice(index=index, delta={"role": "assistant", "content": None if calls else ""})]
         )
@@ -221,13 +228,19 @@ class ChatFormat(_Formatter):
         """The SSE data for one delta (folding it into the totals as well)."""
         self.fold(d)
         out = []
-        shows = d.text or d.tool_calls or d.logprobs or d.finish_reason is not None
-        if self.unopened is not None and d.index in self.unopened and shows:  # (not text held back)
+        if self.unopened is not None and d.index in self.unopened:
+            if not (d.text or d.tool_calls or d.finish_reason is not None):  # text held back: wait
+                if d.logprobs:  # they go out after the opening, once it is known
+                    self.early[d.index] = self.early.get(d.index, []) + d.logprobs
+                return out
             self.unopened.discard(d.index)
             out.append(self._opening(d.index, bool(d.tool_calls) and not d.text))
+            if d.index in self.early:
+                d = replace(d, logprobs=self.early.pop(d.index) + (d.logprobs or []))
         if d.text or d.logprobs:
             lp = chat_logprobs(d.logprobs) if d.logprobs is not None else None
-            out.append(self._chunk([ChunkChoice(index=d.index, delta={"content": d.text}, logprobs=lp)]))
+            delta = {"content": d.text} if d.text or d.index not in self.no_content else {}
+            out.append(self._chunk([ChunkChoice(index=d.index, delta=delta, logprobs=lp)]))
         out += self._tool_chunks(d)
         if d.finish_reason is not None:
             out.append(self._chunk([ChunkChoice(index=d.index, delta={}, finish_reason=d.finish_reason)]))

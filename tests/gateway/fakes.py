@@ -32,7 +32,8 @@ class FakeCore:
 @dataclass
 class ScriptedEngine:
     """Every request gets the scripted steps (token ids per step); ``fail`` ends with an engine error.
-    A request that asks for prompt logprobs gets made-up ones (each token at -1.0) on its first step."""
+    A request that asks for logprobs gets made-up ones (each token at -1.0), its prompt's on its first
+    step."""
 
     script: list[list[int]]
     fail: str | None = None
@@ -86,6 +87,9 @@ class ScriptedEngine:
             yield StepOutput(
                 request.request_id,
                 ids,
+                logprobs=None
+                if request.params.logprobs is None
+                else [TokenLogprob(t, -1.0, ()) for t in ids],
                 prompt_logprobs=_scored(request) if i == 0 else None,
                 finish_reason=FinishReason.LENGTH if last else None,
                 stats=stats if last else None,

@@ -432,6 +432,36 @@ async def test_a_stream_of_calls_alone_opens_with_content_null(
     assert chunks[-1]["choices"][0]["finish_reason"] == finish
 
 
+@pytest.mark.parametrize(
+    "choice, text, content",
+    [("required", CALL, None), ("auto", CALL, None), ("auto", "It is sunny.", "It is sunny.")],
+)
+async def test_logprobs_keep_a_streamed_answer_of_calls_alone_content_null(
+    choice: str, text: str, content: str | None
+) -> None:
+    """With logprobs, a call's tokens still have their logprobs streamed, on chunks with no content
+    key where the answer is calls alone: they went as {"content": ""}, so the SDK's stream helper
+    ended with content "" where the whole answer's is null, and under auto the logprobs of the text
+    held while it might open a call opened the choice as text."""
+    ids = token_ids(f"{text}<END>")
+    engine = ScriptedEngine([ids[i : i + 5] for i in range(0, len(ids), 5)])
+    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                            "tools": [WEATHER], "tool_choice": choice, "stop": ["<END>"], "logprobs": True}  # fmt: skip
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        whole = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        raw = (await c.post("/v1/chat/completions", json={**body, "stream": True})).text
+    deltas = [
+        ch["choices"][0] for ch in (json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {"))
+    ]
+    streamed = [d["delta"]["content"] for d in deltas if d["delta"].get("content") is not None]
+    assert whole["message"]["content"] == content
+    assert ("".join(streamed) if streamed else None) == content
+    assert deltas[0]["delta"] == {"role": "assistant", "content": "" if content else None}
+    entries = [e for d in deltas if d["logprobs"] for e in d["logprobs"]["content"]]
+    assert [e["token"] for e in entries] == [e["token"] for e in whole["logprobs"]["content"]]
+
+
 def test_a_function_whose_schema_has_no_type_is_still_called_with_an_object() -> None:
     """A ``parameters`` schema without ``type`` (``{"properties": ...}``) admits any JSON value: the
     tiny model wrote ``"arguments": [568]``, which is no call, and the markup came back as content
