@@ -227,7 +227,7 @@ class ChatFormat(_Formatter):
     def chunks(self, d: Delta) -> list[str]:
         """The SSE data for one delta (folding it into the totals as well)."""
         self.fold(d)
-        out = []
+        out: list[str] = []
         if self.unopened is not None and d.index in self.unopened:
             if not (d.text or d.tool_calls or d.finish_reason is not None):  # text held back: wait
                 if d.logprobs:  # they go out after the opening, once it is known
