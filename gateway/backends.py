@@ -28,6 +28,7 @@ VLLM_EXTRAS = (
     "repetition_penalty",
     "add_generation_prompt",
     "continue_final_message",
+    "chat_template_kwargs",
 )
 
 
@@ -62,6 +63,7 @@ class Job:
     # chat: the template opens a new assistant turn, or continues the last message in place (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's)
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
     echo: bool = False  # completion: the prompt text precedes the completion
     spec: SpecParams = field(default_factory=SpecParams)

@@ -27,6 +27,14 @@ from gateway.settings import Settings
 # keeps just that token (sampling keeps the first token always), and the engine (and a vLLM upstream)
 # takes top_p in (0, 1]
 SMALLEST_TOP_P = 5e-324
+# apply_chat_template's own arguments and the variables it passes the template itself: a
+# chat_template_kwargs key among them would replace the messages, the tools, the template or how
+# the prompt ends (vLLM drops such keys since a template swapped this way ran a client's code)
+TEMPLATE_OWN = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"}
+)  # fmt: skip
 
 
 def to_job(
@@ -131,6 +139,12 @@ def to_job(
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.max_completion_tokens is not None:
             common["max_tokens_field"] = "max_completion_tokens"
+        reserved = sorted(set(req.chat_template_kwargs or {}) & TEMPLATE_OWN)
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {reserved[0]!r}: the request's own fields decide it.",
+                param="chat_template_kwargs",
+            )
         if req.continue_final_message and req.add_generation_prompt:
             raise bad_request(
                 "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
@@ -144,6 +158,7 @@ def to_job(
             if req.add_generation_prompt is None
             else req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs or None,
             **_structured(req),
             **common,
         )

@@ -70,6 +70,7 @@ class LocalBackend:
                 tools=job.tools if job.calls_tools else None,
                 add_generation_prompt=job.add_generation_prompt,
                 continue_final_message=job.continue_final_message,
+                **(job.chat_template_kwargs or {}),
             )
             return [(ids, "")]
         out = []

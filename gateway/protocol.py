@@ -302,6 +302,9 @@ class ChatCompletionRequest(_Sampling):
     # both; the two together are refused, as vLLM refuses them)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, say); jobs.py refuses
+    # those that would set what the template call itself decides
+    chat_template_kwargs: dict[str, Any] | None = None
     # as OpenAI documents it: "logprobs must be set to true if this parameter is used" (else a 400)
     top_logprobs: TopLogprobs | None = Field(
         default=None, description="Needs logprobs: true; without it the request is refused."

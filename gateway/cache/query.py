@@ -53,6 +53,7 @@ _NEUTRAL: dict[str, Any] = {
     "echo": False,
     "add_generation_prompt": True,
     "continue_final_message": False,
+    "chat_template_kwargs": {},
 }
 
 

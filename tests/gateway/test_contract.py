@@ -91,6 +91,40 @@ async def test_continue_final_message_continues_an_assistant_prefill_as_vllm_doe
     assert output_params({"continue_final_message": True}) != {}
 
 
+async def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them() -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, say) are the template's variables: they
+    were dropped as an unknown field, so a template that reads one rendered without it. A key that
+    is the template call's own (tools, add_generation_prompt, chat_template...) is a 400 naming the
+    parameter; a remote upstream gets them as sent; they split the cache's key only where set."""
+    from gateway.cache.query import output_params
+    from gateway.jobs import to_job
+    from gateway.protocol import ChatCompletionRequest
+
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    tok = engine.tokenizer("fake")
+    tok.chat_template = "{% if think %}<think>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    body = {"model": "fake", "messages": MSGS, "max_tokens": 2}
+    async with client(app) as c:
+        for kwargs, want in (({"think": True}, "<think>hi"), ({"think": False}, "hi"), (None, "hi")):
+            r = await c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs})
+            assert r.status_code == 200, r.text
+            assert tok.decode(engine.requests[-1].prompt_token_ids) == want
+        for key in ("tools", "add_generation_prompt", "chat_template", "messages"):
+            r = await c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {key: None}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+            assert repr(key) in r.json()["error"]["message"]
+    job = to_job(
+        ChatCompletionRequest.model_validate({**body, "chat_template_kwargs": {"think": True}}),
+        "r",
+        "t",
+        settings(),
+    )
+    assert job.vllm_extras() == {"chat_template_kwargs": {"think": True}}
+    assert output_params({"chat_template_kwargs": {}}) == {}
+    assert output_params({"chat_template_kwargs": {"think": True}}) != {}
+
+
 async def test_top_p_0_is_the_likeliest_token_as_openai_serves_it() -> None:
     """OpenAI takes top_p in [0, 1] and clients send 0 to mean greedy (TGI#2231); it was a 400 here,
     as vLLM's (0, 1]. It reaches the engine as the smallest positive top_p; below 0 is still a 400."""
