@@ -21,6 +21,8 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import jinja2
+
 from decoding.client import EngineClient, StepStream, Tokenizer
 from decoding.errors import EngineStopped, InvalidParameter, PromptTooLong
 from decoding.params import (
@@ -63,15 +65,26 @@ class LocalBackend:
     def _prompts(self, job: Job, tok: Tokenizer) -> list[tuple[list[int], str]]:
         """(token ids, text) per prompt; text is what ``echo`` sends back."""
         if job.kind == "chat":
-            ids = chat_prompt_ids(
-                tok,
-                template_messages(job.messages or []),
-                as_text=lambda: self.as_text(job.model, tok),
-                tools=job.tools if job.calls_tools else None,
-                add_generation_prompt=job.add_generation_prompt,
-                continue_final_message=job.continue_final_message,
-                **(job.chat_template_kwargs or {}),
-            )
+            try:
+                ids = chat_prompt_ids(
+                    tok,
+                    template_messages(job.messages or []),
+                    as_text=lambda: self.as_text(job.model, tok),
+                    tools=job.tools if job.calls_tools else None,
+                    add_generation_prompt=job.add_generation_prompt,
+                    continue_final_message=job.continue_final_message,
+                    **(job.chat_template_kwargs or {}),
+                )
+            except jinja2.TemplateError as exc:  # the template's raise_exception: roles out of order...
+                raise bad_request(f"The chat template refused the messages: {exc}", param="messages") from exc
+            except Exception as exc:
+                if not job.chat_template_kwargs:
+                    raise
+                # rendering a client's variables failed (1 / 0, a string where a list goes): theirs
+                raise bad_request(
+                    f"The chat template failed with these chat_template_kwargs: {type(exc).__name__}: {exc}",
+                    param="chat_template_kwargs",
+                ) from exc
             return [(ids, "")]
         out = []
         vocab = len(tok)

@@ -114,6 +114,18 @@ async def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them() -> 
             r = await c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {key: None}})
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
             assert repr(key) in r.json()["error"]["message"]
+        # a template that refuses what it was given (raise_exception, as many templates do for roles
+        # out of order, or an error rendering a variable) is the request's fault: a 400, not a 500
+        tok.chat_template = (
+            "{% if think %}{{ raise_exception('think must be off') }}{% endif %}{{ 1 / think }}"
+        )
+        for kwargs, param, words in (
+            ({"think": True}, "messages", "think must be off"),
+            ({"think": 0}, "chat_template_kwargs", "division by zero"),
+        ):
+            r = await c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert words in r.json()["error"]["message"]
     job = to_job(
         ChatCompletionRequest.model_validate({**body, "chat_template_kwargs": {"think": True}}),
         "r",
