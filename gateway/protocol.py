@@ -165,8 +165,16 @@ class ChatMessage(_Strict):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """An image, audio or file part gets a 400 that says so, not a union's "not a string"."""
+    def _text_parts_only(cls, content: Any, info: ValidationInfo) -> Any:
+        """An image, audio or file part gets a 400 that says so, not a union's "not a string". An
+        assistant's refusal part (OpenAI's, in a history replayed from it) is its text."""
+        if info.data.get("role") == "assistant" and isinstance(content, list):
+            content = [
+                {"type": "text", "text": p["refusal"]}
+                if isinstance(p, dict) and p.get("type") == "refusal" and isinstance(p.get("refusal"), str)
+                else p
+                for p in content
+            ]
         for part in content if isinstance(content, list) else []:
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":

@@ -137,6 +137,24 @@ async def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them() -> 
     assert output_params({"chat_template_kwargs": {"think": True}}) != {}
 
 
+async def test_an_assistant_refusal_part_replayed_from_openai_is_its_text() -> None:
+    """OpenAI's assistant content may be a refusal part; a history replayed from it carries one. It
+    was a 400 ("content parts of type 'refusal' are not supported"); in a user message it still is."""
+    engine = ScriptedEngine([token_ids("ok")])
+    app = create_app(settings(), engine=engine)  # type: ignore[arg-type]
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    async with client(app) as c:
+        body = {"model": "fake", "messages": [*MSGS, refusal, {"role": "user", "content": "ok then"}]}
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        prompt = engine.tokenizer("fake").decode(engine.requests[-1].prompt_token_ids)
+        assert "<|im_start|>assistant\nI can't help with that.<|im_end|>" in prompt
+        r = await c.post(
+            "/v1/chat/completions", json={"model": "fake", "messages": [{**refusal, "role": "user"}]}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+
+
 async def test_top_p_0_is_the_likeliest_token_as_openai_serves_it() -> None:
     """OpenAI takes top_p in [0, 1] and clients send 0 to mean greedy (TGI#2231); it was a 400 here,
     as vLLM's (0, 1]. It reaches the engine as the smallest positive top_p; below 0 is still a 400."""
