@@ -25,7 +25,8 @@ def redis_url(redis_server: RedisProcess) -> str:
     return redis_server.url
 
 
-def gateway(url: str, prefix: str, **limits: Any) -> Any:
+def gateway(url: str, prefix: str, engine: ScriptedEngine | None = None, **limits: Any) -> Any:
+    """An app with these limits, its buckets in the Redis at ``url`` under ``prefix`` where shared."""
     s = load_settings(
         overrides={
             "limits": limits,
@@ -33,7 +34,7 @@ def gateway(url: str, prefix: str, **limits: Any) -> Any:
         },
         env={},
     )
-    return create_app(s, engine=ScriptedEngine([token_ids("a" * 40)]))  # type: ignore[arg-type]
+    return create_app(s, engine=engine or ScriptedEngine([token_ids("a" * 40)]))  # type: ignore[arg-type]
 
 
 async def post(app: Any, path: str = "/v1/chat/completions") -> httpx.Response:
@@ -60,14 +61,7 @@ async def test_two_gateways_share_one_request_limit(redis_url: str) -> None:
 
 async def test_an_overloaded_503_gives_the_shared_request_back(redis_url: str) -> None:
     prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
-    s = load_settings(
-        overrides={
-            "limits": {"rpm": 1},
-            "cache": {"enabled": False, "redis_url": redis_url, "key_prefix": prefix, **UNHURRIED_REDIS},
-        },
-        env={},
-    )
-    full = create_app(s, engine=ScriptedEngine([token_ids("a")], overloaded=3))  # type: ignore[arg-type]
+    full = gateway(redis_url, prefix, ScriptedEngine([token_ids("a")], overloaded=3), rpm=1)
     a = gateway(redis_url, prefix, rpm=1)
     try:
         for _ in range(3):
@@ -136,15 +130,8 @@ async def test_a_request_larger_than_the_whole_tpm_is_refused_at_once(redis_url:
     import openai
 
     prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
-    s = load_settings(
-        overrides={
-            "limits": {"tpm": 30, "shared": shared},
-            "cache": {"enabled": False, "redis_url": redis_url, "key_prefix": prefix, **UNHURRIED_REDIS},
-        },
-        env={},
-    )
     engine = ScriptedEngine([token_ids("ab")])
-    app = create_app(s, engine=engine)  # type: ignore[arg-type]
+    app = gateway(redis_url, prefix, engine, tpm=30, shared=shared)
     sent: list[httpx.Request] = []
 
     async def count(request: httpx.Request) -> None:
@@ -190,15 +177,9 @@ async def test_concurrent_requests_reserve_their_tokens_on_admission(redis_url: 
     of requests sent at once were all admitted against a full bucket (tpm 100 let five of 41
     tokens each through, and more the more were sent). What a request did not use is given back."""
     prefix = f"test-limits-{uuid.uuid4().hex[:8]}"
-    s = load_settings(
-        overrides={
-            "limits": {"tpm": 100, "shared": shared},
-            "cache": {"enabled": False, "redis_url": redis_url, "key_prefix": prefix, **UNHURRIED_REDIS},
-        },
-        env={},
+    app = gateway(
+        redis_url, prefix, ScriptedEngine([token_ids("a"), token_ids("b")], delay=0.3), tpm=100, shared=shared
     )
-    engine = ScriptedEngine([token_ids("a"), token_ids("b")], delay=0.3)  # 2 tokens, slowly
-    app = create_app(s, engine=engine)  # type: ignore[arg-type]
     body = {"model": "fake", "prompt": "x", "max_tokens": 40}  # 41 tokens requested each
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
