@@ -333,12 +333,18 @@ def test_whitespace_next_to_tagged_calls_does_not_depend_on_the_cuts() -> None:
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
+def scripted_app(text: str, step: int = 5, **settings: Any) -> Any:
+    """An app whose fake engine writes ``text`` ``step`` tokens a step (the cache off by default)."""
+    ids = token_ids(text)
+    engine = ScriptedEngine([ids[i : i + step] for i in range(0, len(ids), step)])
+    overrides = {"cache": {"enabled": False}} | settings
+    return create_app(load_settings(overrides=overrides, env={}), engine=engine)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])
 async def test_a_fenced_call_through_the_gateway_streamed_and_not(name: str) -> None:
     text = f'```json\n{{"name": "{name}", "arguments": {{"city": "Paris"}}}}\n```'
-    ids = token_ids(f"{text}<END>")
-    engine = ScriptedEngine([ids[i : i + 3] for i in range(0, len(ids), 3)])
-    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    app = scripted_app(f"{text}<END>", 3)
     body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                             "tools": [WEATHER], "stop": ["<END>"]}  # fmt: skip
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -418,9 +424,7 @@ async def test_a_stream_of_calls_alone_opens_with_content_null(
     "". Forced calls (tool_choice required or named) are known to be calls alone from the start;
     under auto the opening waits for the choice's first delta, and a call with text before it opens
     as text."""
-    ids = token_ids(f"{text}<END>")
-    engine = ScriptedEngine([ids[i : i + 5] for i in range(0, len(ids), 5)])
-    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    app = scripted_app(f"{text}<END>")
     body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                             "tools": [WEATHER], "tool_choice": choice, "stop": ["<END>"], "stream": True}  # fmt: skip
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -443,9 +447,7 @@ async def test_logprobs_keep_a_streamed_answer_of_calls_alone_content_null(
     key where the answer is calls alone: they went as {"content": ""}, so the SDK's stream helper
     ended with content "" where the whole answer's is null, and under auto the logprobs of the text
     held while it might open a call opened the choice as text."""
-    ids = token_ids(f"{text}<END>")
-    engine = ScriptedEngine([ids[i : i + 5] for i in range(0, len(ids), 5)])
-    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    app = scripted_app(f"{text}<END>")
     body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                             "tools": [WEATHER], "tool_choice": choice, "stop": ["<END>"], "logprobs": True}  # fmt: skip
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
