@@ -332,7 +332,10 @@ class UpstreamStream:
                         break
         except Exception:  # whatever ends the read, the close below drops the connection
             pass
-        await self._resp.aclose()
+        # no one awaits this task: a close that fails (the client shut with the server) ends it
+        # quietly rather than as an exception never retrieved
+        with contextlib.suppress(Exception):
+            await self._resp.aclose()
 
     async def aclose(self) -> None:
         """Close the upstream connection (the client left, or the stream ended). The close runs to
