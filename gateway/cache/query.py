@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,7 +17,9 @@ from typing import Any, Literal
 import numpy as np
 
 Endpoint = Literal["chat", "completions"]
-KEY_VERSION = "v1"  # bump when the key layout or normalisation changes: old entries stop matching
+# bump when the key layout or normalisation changes: old entries stop matching (v2, 2026-12-05:
+# text is no longer NFC-normalised, so entries keyed by another form's text are not served)
+KEY_VERSION = "v2"
 
 # Body fields that never change the generated text. `speculative` is lossless (verification
 # reproduces the target's distribution exactly), so speculative and plain requests share entries.
@@ -95,11 +96,11 @@ def _digest(s: str) -> str:
 
 
 def _canon(value: Any) -> Any:
-    """NFC strings, numbers as floats (0 == 0.0; integers past 2**53 as their digits), None-valued keys
-    dropped, mappings sorted later."""
-    if isinstance(value, str):
-        return unicodedata.normalize("NFC", value)
-    if isinstance(value, bool) or value is None:
+    """Numbers as floats (0 == 0.0; integers past 2**53 as their digits), None-valued keys dropped,
+    mappings sorted later. Strings stay as sent, not NFC-normalised: a composed and a decomposed
+    "é" are other tokens to a tokenizer without an NFC step (byte-level BPE), so another prompt and
+    maybe another answer, and a stop string matches the text in one form only."""
+    if isinstance(value, (str, bool)) or value is None:
         return value
     if isinstance(value, int) and abs(value) > 2**53:
         return str(value)  # past float64's integers: seeds 2**62 and 2**62 + 1 were one key

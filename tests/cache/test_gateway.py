@@ -363,3 +363,34 @@ async def test_a_model_name_served_by_other_weights_does_not_share_answers(
         assert [len(e.requests) for e in engines] == [1, 1, 0], "the same weights share their answers"
     finally:
         await close_and_forget(apps, redis_server.url, prefix)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_a_prompt_in_another_unicode_form_is_its_own_question(
+    endpoint: str, embedder: SentenceEmbedder
+) -> None:
+    """ "café" composed (é, U+00E9) and decomposed (e + U+0301) are other bytes and other tokens to a
+    tokenizer without an NFC step (byte-level BPE: tiktoken, Llama 3's): the exact key normalised
+    both to NFC, so one came back as the other's exact hit, with the other prompt's answer and the
+    other prompt's prompt_tokens. (A chat question may still hit by similarity, counted as itself.)"""
+    app = create_app(
+        load_settings(env={}), engine=ScriptedEngine([token_ids("Use "), token_ids("reversed().")])
+    )  # type: ignore[arg-type]
+    app.state.gateway.cache.cache.embedder = embedder  # the session's, already loaded
+    composed, decomposed = "Order a caf\u00e9 au lait", "Order a cafe\u0301 au lait"
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+
+    def body(text: str) -> dict[str, Any]:
+        if endpoint == "chat":
+            return {**GREEDY, "messages": [{"role": "user", "content": text}]}
+        return {"model": "fake", "prompt": text, "temperature": 0}
+
+    async with client(app) as c:
+        first = await c.post(path, json=body(composed))
+        await drained(app)
+        fresh = await c.post(path, json=body(decomposed), headers={"Cache-Control": "no-cache, no-store"})
+        second = await c.post(path, json=body(decomposed))
+    want = fresh.json()["usage"]["prompt_tokens"]
+    assert want != first.json()["usage"]["prompt_tokens"], "the two forms are other tokens"
+    assert not second.headers["x-specgate-cache"].startswith("exact")
+    assert second.json()["usage"]["prompt_tokens"] == want
