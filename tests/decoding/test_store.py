@@ -137,3 +137,25 @@ def test_a_directory_converted_before_checksums_gets_them_on_first_use(home: Pat
     assert "missing" in store.check(ALIAS)[0]
     assert store.verified_dir(ALIAS, pull=False) == d
     assert store.check(ALIAS) == []
+
+
+def test_a_second_pull_waits_for_the_first_and_finds_its_work_done(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    calls: list[Path] = []
+    second = threading.Thread(target=store.pull, args=(ALIAS,))
+    convert = store.convert_gguf
+
+    def first_converts_while_another_pulls(gguf: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
+        calls.append(out_dir)
+        if len(calls) == 1:
+            second.start()
+            second.join(2)  # unlocked, the second pull would be converting into the same place by now
+        convert(gguf, out_dir, dtype)
+
+    monkeypatch.setattr(store, "convert_gguf", first_converts_while_another_pulls)
+    store.pull(ALIAS)
+    second.join()
+    assert len(calls) == 1 and store.check(ALIAS) == []
