@@ -18,7 +18,8 @@ import numpy as np
 
 Endpoint = Literal["chat", "completions"]
 # bump when the key layout or normalisation changes: old entries stop matching (v2, 2026-12-05:
-# text is no longer NFC-normalised, so entries keyed by another form's text are not served)
+# text is no longer NFC-normalised, nor nulls inside values dropped, so entries keyed by another
+# form's text or by a schema without its nulls are not served)
 KEY_VERSION = "v2"
 
 # Body fields that never change the generated text. `speculative` is lossless (verification
@@ -96,8 +97,10 @@ def _digest(s: str) -> str:
 
 
 def _canon(value: Any) -> Any:
-    """Numbers as floats (0 == 0.0; integers past 2**53 as their digits), None-valued keys dropped,
-    mappings sorted later. Strings stay as sent, not NFC-normalised: a composed and a decomposed
+    """Numbers as floats (0 == 0.0; integers past 2**53 as their digits), mappings sorted later.
+    A null inside a value is kept: ``{"const": null}`` in a schema pins the value where ``{}`` admits
+    any, and a tool's schema is rendered into the prompt nulls and all (the callers drop the
+    None-valued fields of the body and of each message, which mean "absent"). Strings stay as sent, not NFC-normalised: a composed and a decomposed
     "é" are other tokens to a tokenizer without an NFC step (byte-level BPE), so another prompt and
     maybe another answer, and a stop string matches the text in one form only."""
     if isinstance(value, (str, bool)) or value is None:
@@ -107,7 +110,7 @@ def _canon(value: Any) -> Any:
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, Mapping):
-        return {str(k): _canon(v) for k, v in value.items() if v is not None}
+        return {str(k): _canon(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_canon(v) for v in value]
     return str(value)
@@ -129,7 +132,8 @@ def _message_text(content: Any) -> str | None:
 def _normalise_messages(messages: Any) -> list[Any]:
     out = []
     for m in messages if isinstance(messages, list) else []:
-        m = _canon(m) if isinstance(m, Mapping) else _canon({"content": m})
+        m = {k: v for k, v in m.items() if v is not None} if isinstance(m, Mapping) else {"content": m}
+        m = _canon(m)
         text = _message_text(m.get("content"))
         if text is not None:
             m["content"] = text  # a single-text-part list and a string render the same prompt

@@ -26,6 +26,14 @@ def test_equivalent_bodies_share_a_key() -> None:
     assert {key(b) for b in same} == {key(BASE)}
 
 
+def _schema(properties: object) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": {"properties": properties}}}
+
+
+def _tool(prop: object) -> dict[str, object]:
+    return {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": prop}}}}
+
+
 def test_output_changing_fields_split_the_key() -> None:
     variants = [
         {**BASE, "temperature": 0.1},
@@ -43,6 +51,12 @@ def test_output_changing_fields_split_the_key() -> None:
         {**BASE, "model": "m2"},
         {**BASE, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]},
         {**BASE, "messages": [{"role": "user", "content": "hi "}]},
+        # a null inside a value is no absent field: {"const": null} pins the value where {} admits any,
+        # and a tool's schema goes into the prompt nulls and all (both were one key with the plain one)
+        {**BASE, "response_format": _schema({"a": {"const": None}})},
+        {**BASE, "response_format": _schema({"a": {}})},
+        {**BASE, "tools": [_tool({"type": "string"})]},
+        {**BASE, "tools": [_tool({"type": "string", "default": None})]},
     ]
     keys = [key(b) for b in variants] + [key(BASE), key(BASE, tenant="u")]
     assert len(set(keys)) == len(keys)
