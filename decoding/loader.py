@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -108,6 +109,15 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def unreadable(spec: ModelSpec, exc: Exception) -> ModelLoadError:
     """The error for a model whose files or config cannot be read."""
+    alias = store.canonical(spec.source)
+    local = alias in store.PINNED or alias in tiny.TINY or Path(spec.source).expanduser().exists()
+    if not local and os.environ.get("HF_HUB_OFFLINE", "1") not in ("0", "false", "False"):
+        # transformers' own words here ("check your internet connection") send an operator the wrong way
+        return ModelLoadError(
+            f"could not load model '{spec.name}': '{spec.source}' is no pinned alias ({', '.join(store.PINNED)}), "
+            "tiny model, local directory or .gguf file, and is not in the local Hugging Face cache; "
+            "specgate does not download from a model hub (HF_HUB_OFFLINE=1): point source at a local copy"
+        )
     return ModelLoadError(f"could not load model '{spec.name}' from {spec.source}: {exc}")
 
 

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.client import EngineClient
+from decoding.errors import EngineError
 from gateway import protocol, serving
 from gateway.backends import Job
 from gateway.cache.seam import GatewayCache
@@ -434,6 +435,12 @@ async def _count_prompt(state: GatewayState, job: Job) -> int | None:
 async def _load(app: Starlette, state: GatewayState, load_engine: Callable[[], EngineClient]) -> None:
     try:
         engine = await asyncio.to_thread(load_engine)
+    except EngineError as exc:  # a model missing, damaged or unreadable: its message says which and why
+        log.debug("could not load the models", exc_info=True)  # `specgate -v serve`: the traceback
+        log.error("could not load the models: %s", exc)
+        if app.state.on_load_failure is not None:
+            app.state.on_load_failure()
+        return
     except Exception:
         log.exception("could not load the models")
         if app.state.on_load_failure is not None:
