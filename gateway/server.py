@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -188,6 +189,21 @@ def _build_engine(settings: Settings) -> EngineClient:
     return AsyncEngine(engine, max_active, limits.max_queued, limits.prefill_budget, limits.burst_budget)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads. uvicorn binds its own only after the app's
+    lifespan has begun, and that starts the models loading: a port in use was reported then, and
+    the process waited for the load to end (40-60 s on the real pair) to exit with status 3."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(config: str | None = None, host: str | None = None, port: int | None = None, **flags: Any) -> int:
     """Run the gateway until SIGTERM/SIGINT. ``flags`` are further settings overrides (nested dicts)."""
     server_flags = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
@@ -219,9 +235,19 @@ def serve(config: str | None = None, host: str | None = None, port: int | None =
         access_log=False,
         http=timed_h11(settings.server.header_timeout_s),
     )
+    try:
+        sock = _listen(settings.server.host, settings.server.port)
+    except OSError as exc:
+        print(
+            f"error: cannot listen on {settings.server.host}:{settings.server.port}: {exc}", file=sys.stderr
+        )
+        return 2
+    host = f"[{settings.server.host}]" if ":" in settings.server.host else settings.server.host
+    # uvicorn names the address only for a socket of its own binding
+    log.info("listening on http://%s:%d (CTRL+C to quit)", host, settings.server.port)
     server = DrainingServer(uv, app.state.gateway, settings.limits.drain_timeout_s)
     app.state.on_load_failure = server.fail
-    server.run()
+    server.run(sockets=[sock])
     engine = app.state.gateway.extra.get("engine")
     if engine is not None:
         engine.shutdown()

@@ -47,3 +47,25 @@ def test_start_up_errors_name_the_setting(case: str, tmp_path: Path) -> None:
     assert "Traceback" not in run.stderr
     (line,) = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert named in line
+
+
+def test_a_port_in_use_is_one_error_line_before_any_model_loads(tmp_path: Path) -> None:
+    """uvicorn bound the port only once the lifespan had begun loading the models: a port in use was
+    reported after the load (40-60 s on the real pair), with exit status 3."""
+    import socket
+
+    config = tmp_path / "specgate.yaml"
+    config.write_text(yaml.safe_dump({"models": TINY_MODELS}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host", "127.0.0.1",
+             "--port", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    (line,) = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert f"127.0.0.1:{port}" in line and "in use" in line
+    assert "Traceback" not in run.stderr and "loading" not in run.stderr.lower()
