@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from decoding.params import FinishReason, GenerationRequest, RequestStats, StepOutput
-from tests.gateway.test_remote_faults import RawUpstream
+
+# upstream: the raw-socket upstream the remote-path tests script, their fixture itself
+from tests.gateway.test_remote_faults import upstream  # noqa: F401
 
 CANARY = "zebra-canary-7f3a"
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,12 +141,3 @@ def stop(served: Served) -> None:
         except subprocess.TimeoutExpired:
             served.proc.kill()
             served.proc.wait(10)
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[RawUpstream]:
-    """A raw-socket upstream the remote-path tests script (tests/gateway/test_remote_faults.py)."""
-    up = RawUpstream()
-    await up.start()
-    yield up
-    await up.stop()
