@@ -195,6 +195,7 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
     # prompt's chunk none), so the count made from them is corrected either way.
     held: list[Delta] = []
     counted = 0
+    first = True  # no token yet (its time is noted once)
     choices = job.choices
     calls = _Calls()
     try:
@@ -232,8 +233,9 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
                     continue  # the role chunk: our formatter writes its own
                 d.completion_tokens = 1 if d.text else 0
                 counted += d.completion_tokens
-                if d.text or d.tool_calls:
+                if first and (d.text or d.tool_calls):
                     note_first_token()
+                    first = False
                 if d.finish_reason is not None:
                     held.append(d)
                 else:
