@@ -101,8 +101,9 @@ def _canon(value: Any) -> Any:
     A null inside a value is kept: ``{"const": null}`` in a schema pins the value where ``{}`` admits
     any, and a tool's schema is rendered into the prompt nulls and all (the callers drop the
     None-valued fields of the body and of each message, which mean "absent"). Strings stay as sent,
-    not NFC-normalised: a composed and a decomposed "é" are other tokens to a tokenizer without an NFC step (byte-level BPE), so another prompt and
-    maybe another answer, and a stop string matches the text in one form only."""
+    not NFC-normalised: a composed and a decomposed "é" are other tokens to a tokenizer without an
+    NFC step (byte-level BPE), so another prompt and maybe another answer, and a stop string
+    matches the text in one form only."""
     if isinstance(value, (str, bool)) or value is None:
         return value
     if isinstance(value, int) and abs(value) > 2**53:
