@@ -5,13 +5,17 @@ The engine (decoding/engine.py) then only steps sequences.
 
 from __future__ import annotations
 
+import concurrent.futures
+from dataclasses import replace
+
 import torch
 
 from decoding.constraints import Constraint, Shaping, logit_bias_tensor
 from decoding.controller import SpecController
 from decoding.drafters import Drafter, DraftModelDrafter, PredictionDrafter, PromptLookupDrafter
 from decoding.errors import InvalidParameter, PromptTooLong, UnknownModel
-from decoding.params import GenerationRequest, SpecMode
+from decoding.grammar import CompiledGrammar, GrammarCompiler, ll_tokenizer, matcher
+from decoding.params import GenerationRequest, GrammarSpec, SpecMode
 from decoding.runner import SequenceRunner, as_ids
 from decoding.sequence import LoadedModel, Sequence, ending_ids
 
@@ -28,8 +32,11 @@ def model_of(models: dict[str, LoadedModel], name: str) -> LoadedModel:
     return models[name]
 
 
-def check(models: dict[str, LoadedModel], request: GenerationRequest) -> LoadedModel:
-    """Everything that can refuse a request before any model work."""
+def check(
+    models: dict[str, LoadedModel], request: GenerationRequest, grammars: GrammarCompiler
+) -> GenerationRequest:
+    """Everything that can refuse a request before any model work; the request with its grammar
+    compiled (on ``grammars``' thread, waited for here unless ``prepare`` compiled it already)."""
     target = model_of(models, request.model)
     n = len(request.prompt_token_ids)
     if n == 0:
@@ -40,9 +47,20 @@ def check(models: dict[str, LoadedModel], request: GenerationRequest) -> LoadedM
     bad = [t for t, _ in request.logit_bias if not 0 <= t < target.vocab_size]
     if bad:
         raise InvalidParameter(f"logit_bias names token ids outside the vocabulary: {bad[:5]}", "logit_bias")
-    if request.grammar is not None:
-        shaping(target, request)
-    return target
+    if request.grammar is not None and request.compiled is None:
+        future = compile_grammar(grammars, target, request.grammar)
+        request = replace(request, compiled=grammars.wait(request.grammar, future))
+    return request
+
+
+def compile_grammar(
+    grammars: GrammarCompiler, target: LoadedModel, spec: GrammarSpec
+) -> concurrent.futures.Future[CompiledGrammar]:
+    """[shaping] ``spec`` compiled for ``target``'s tokenizer on ``grammars``' thread."""
+    tokenizer, vocab, eos = target.tokenizer, target.vocab_size, target.eos_token_ids
+    return grammars.compile(
+        target.name, spec, lambda s: matcher(s, ll_tokenizer(tokenizer, vocab, eos), tokenizer)
+    )
 
 
 def shaping(target: LoadedModel, request: GenerationRequest) -> Shaping | None:
@@ -53,7 +71,10 @@ def shaping(target: LoadedModel, request: GenerationRequest) -> Shaping | None:
     bias = logit_bias_tensor(request.logit_bias, target.vocab_size, target.device)
     constraint = None
     if request.grammar is not None:
-        constraint = Constraint(request.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids)
+        compiled = request.compiled if isinstance(request.compiled, CompiledGrammar) else None
+        constraint = Constraint(
+            request.grammar, target.tokenizer, target.vocab_size, target.eos_token_ids, compiled
+        )
     # the ids that would end it (Sequence.stops): none of them before min_tokens tokens
     stops = sorted(ending_ids(params, target.eos_token_ids, request.grammar is not None))
     early = (as_ids(stops, target.device), params.min_tokens) if params.min_tokens and stops else None

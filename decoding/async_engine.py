@@ -22,9 +22,10 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from decoding import admission
 from decoding.engine import Engine, Sequence
 from decoding.errors import EngineOverloaded, EngineStopped, NoFreeSlot
 from decoding.params import BatchStep, FinishReason, GenerationRequest, StepOutput
@@ -139,7 +140,7 @@ class AsyncEngine:
     def submit(self, request: GenerationRequest) -> Steps:
         """Validate and queue the request, or raise before any work (``decoding.client``); then its
         steps, until one has a finish_reason. Closing them early aborts the request."""
-        self.engine.check(request)
+        request = self.engine.check(request)
         pending = _Pending(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
         with self._lock:
             if self._stopping:
@@ -154,6 +155,21 @@ class AsyncEngine:
             self._inbox.append(pending)
             self._wake.notify()
         return Steps(self, pending)
+
+    async def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with its grammar compiled, awaited off the event loop (a large grammar takes
+        seconds, and ``submit`` would compile it on the loop): submit what this returns."""
+        if request.grammar is None or request.compiled is not None:
+            return request
+        grammars = self.engine.grammars
+        future = admission.compile_grammar(grammars, self.engine.model(request.model), request.grammar)
+        try:  # shielded: the compile may be shared with other requests, and a timeout must not cancel it
+            compiled = await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), grammars.limits.timeout_s
+            )
+        except TimeoutError:
+            raise grammars.timed_out(request.grammar) from None
+        return replace(request, compiled=compiled)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
         """``submit`` as one async generator (tests, benchmarks): a refusal is raised by the first

@@ -202,7 +202,8 @@ class QueuedStep:
             error = None
             if s.shaping is not None:
                 try:
-                    s.shaping.commit(new)  # [shaping] the matcher advances by accepted tokens only
+                    # [shaping] the matcher advances by accepted tokens only
+                    s.shaping.commit(new, end=cand[len(new)] if finish is FinishReason.STOP else None)
                 except InvalidParameter as exc:  # a grammar past llguidance's limits ends its row
                     new, finish, error = [], FinishReason.ERROR, exc  # alone, not the batch's step
                 if finish is None and s.shaping.ended:  # its output is complete: only an EOS may follow

@@ -42,6 +42,9 @@ class EngineClient(Protocol):
 
     def max_context(self, model: str) -> int: ...  # prompt plus completion tokens; raises UnknownModel
 
+    # the request with its grammar compiled off the event loop (raises InvalidParameter): submit that
+    async def prepare(self, request: GenerationRequest) -> GenerationRequest: ...
+
     def submit(self, request: GenerationRequest) -> StepStream: ...
 
     @property

@@ -30,7 +30,7 @@ import torch
 
 from decoding.drafters import Proposal
 from decoding.errors import InvalidParameter
-from decoding.grammar import ll_tokenizer, matcher, short_error
+from decoding.grammar import CompiledGrammar, ll_tokenizer, matcher, short_error
 from decoding.params import GrammarSpec
 from decoding.runner import as_ids
 
@@ -54,11 +54,21 @@ class Constraint:
     """A request's grammar state. ``tokens`` committed so far live in the matcher; every other
     method leaves the matcher where it found it."""
 
-    def __init__(self, spec: GrammarSpec, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        spec: GrammarSpec,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        compiled: CompiledGrammar | None = None,
+    ):
         self.vocab_size = vocab_size
         self.eos = set(eos_token_ids)
         self.param = spec.param
-        self.matcher = matcher(spec, ll_tokenizer(tokenizer, vocab_size, eos_token_ids), tokenizer)
+        if compiled is not None:  # compiled off the engine's thread (decoding.grammar.GrammarCompiler)
+            self.matcher = compiled.matcher()
+        else:
+            self.matcher = matcher(spec, ll_tokenizer(tokenizer, vocab_size, eos_token_ids), tokenizer)
 
     def propose_forced(self) -> list[int]:
         """Tokens the grammar forces from here (canonical tokenisation of the forced bytes)."""
@@ -133,6 +143,13 @@ class Constraint:
     def done(self) -> bool:
         return bool(self.matcher.is_stopped())
 
+    @property
+    def may_end(self) -> bool:
+        """Whether the output may end here. At a dead end (a state no token continues from)
+        llguidance allows an end token too, and calls itself stopped once it has computed a mask
+        there: ending would return output the grammar refuses."""
+        return bool(self.matcher.is_accepting())
+
 
 def apply_logit_mask(
     logits: torch.Tensor,  # [W, V]
@@ -199,9 +216,19 @@ class Shaping:
         empty = ~kept.any(-1, keepdim=True)  # the grammar allows nothing but an end there
         return torch.where(empty, allowed.to(banned.device), kept)
 
-    def commit(self, accepted: Sequence[int]) -> None:
+    def commit(self, accepted: Sequence[int], end: int | None = None) -> None:
+        """Advance by ``accepted``; ``end``: the stop token that followed them. An end-of-turn token
+        where the grammar may not end (its dead end, as in an empty language ``dead_end`` could not prove) is
+        the request's fault, raised as ``InvalidParameter``, not output that breaks its grammar."""
         if self.constraint is not None:
             self.constraint.commit(accepted)
+            ending = end in self.constraint.eos or self.constraint.done
+            if ending and not self.constraint.may_end:
+                raise InvalidParameter(
+                    "The grammar reached a state no output can continue from: it admits no complete output "
+                    "along the one generated.",
+                    self.constraint.param,
+                )
         self.produced += len(accepted)
 
     @property

@@ -29,6 +29,7 @@ from decoding.drafters import (
     catch_up_many,
     propose_many,
 )
+from decoding.grammar import GrammarCompiler, GrammarLimits
 from decoding.params import (
     FinishReason,
     GenerationRequest,
@@ -51,9 +52,12 @@ SCORED_CHUNK = 256
 
 
 class Engine:
-    def __init__(self, models: dict[str, LoadedModel], ngram_max: int = 3):
+    def __init__(
+        self, models: dict[str, LoadedModel], ngram_max: int = 3, grammar_limits: GrammarLimits | None = None
+    ):
         self.models = models
         self.ngram_max = ngram_max
+        self.grammars = GrammarCompiler(grammar_limits)  # compiles off the caller's thread
         self.total_steps = 0  # target forward passes, all requests (observability, tests)
         self.costs: dict[str, BatchCosts] = {}  # per target: measured step costs by batch shape
         self.population: dict[tuple[str, str], Population] = {}  # per (target, drafter): acceptance
@@ -71,9 +75,10 @@ class Engine:
     def model(self, name: str) -> LoadedModel:
         return admission.model_of(self.models, name)
 
-    def check(self, request: GenerationRequest) -> LoadedModel:
-        """Everything that can refuse a request before any model work (decoding.admission)."""
-        return admission.check(self.models, request)
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        """Everything that can refuse a request before any model work (decoding.admission); the
+        request to ``start``, its grammar compiled."""
+        return admission.check(self.models, request, self.grammars)
 
     def start(self, request: GenerationRequest) -> Sequence:
         """A checked request's sequence (``check`` runs where a request enters: ``AsyncEngine.submit``,
@@ -461,8 +466,7 @@ class Engine:
 
     def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:
         """Run one request to the end (CLI, benchmarks, tests)."""
-        self.check(request)
-        seq = self.start(request)
+        seq = self.start(self.check(request))
         out: list[int] = []
         for ((_, step),) in self.steps_to_end([seq]):
             if step is not None:

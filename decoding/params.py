@@ -128,6 +128,9 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # output constrained to this grammar (structured outputs, tools)
     # Predicted Outputs: the expected completion as token ids; drafts come from it (lossless)
     prediction: tuple[int, ...] | None = None
+    # ``grammar`` compiled for ``model`` (a decoding.grammar.CompiledGrammar), set by the engine's
+    # ``prepare`` or ``check``; None: not compiled yet
+    compiled: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for token, bias in self.logit_bias:

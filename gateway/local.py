@@ -102,6 +102,12 @@ class LocalBackend:
                 out.append((list(p), tok.decode(p, skip_special_tokens=True)))
         return out
 
+    def _build(
+        self, job: Job, tok: Tokenizer
+    ) -> tuple[list[tuple[list[int], str]], list[GenerationRequest]]:
+        prompts = self._prompts(job, tok)
+        return prompts, self._requests(job, prompts)
+
     def _requests(self, job: Job, prompts: list[tuple[list[int], str]]) -> list[GenerationRequest]:
         context = self.engine.max_context(job.model)
         bias = tuple((int(t), b) for t, b in (job.logit_bias or {}).items())
@@ -171,10 +177,12 @@ class LocalBackend:
 
     async def start(self, job: Job) -> Generation:
         tok = self.engine.tokenizer(job.model)  # raises UnknownModel
-        # The chat template (jinja, in Python) and tokenizing a long prompt take milliseconds to
-        # tens of them: off the event loop, so other requests' streams keep flowing meanwhile.
-        prompts = await asyncio.to_thread(self._prompts, job, tok)
-        reqs = self._requests(job, prompts)
+        # The chat template (jinja, in Python) and tokenizing a long prompt or prediction take
+        # milliseconds to seconds, and compiling a grammar up to limits.grammar_timeout_s: all off
+        # the event loop, so other requests' streams keep flowing meanwhile. n choices share one
+        # compiled grammar (the engine's compiler keeps it).
+        prompts, reqs = await asyncio.to_thread(self._build, job, tok)
+        reqs = [await self.engine.prepare(r) for r in reqs]
         streams: list[StepStream] = []
         try:
             for r in reqs:  # a refusal (unknown model, prompt too long, overload, shutdown) raises here

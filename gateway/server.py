@@ -158,6 +158,7 @@ def _build_engine(settings: Settings) -> EngineClient:
     # decoding's engine imports torch: only here, where the server builds it
     from decoding.async_engine import AsyncEngine
     from decoding.engine import Engine
+    from decoding.grammar import GrammarLimits
     from decoding.loader import ModelSpec, load_all
     from decoding.sizing import default_max_active
     from decoding.warmup import freeze_heap, warm_up
@@ -180,12 +181,13 @@ def _build_engine(settings: Settings) -> EngineClient:
     # static-cache backends hold one KV slot per live sequence: a model can be a target for
     # max_active requests and a draft for as many more
     specs = [replace(s, slots=2 * max_active, max_batch=max_active) for s in specs]
-    engine = Engine(load_all(specs))
+    limits = settings.limits
+    grammar = GrammarLimits(limits.max_grammar_bytes, timeout_s=limits.grammar_timeout_s)
+    engine = Engine(load_all(specs), grammar_limits=grammar)
     for name, m in engine.models.items():
         if m.device.type == "cuda":  # kernels that load on first use, loaded before the first request
             log.info("model %s: warmed up in %d steps", name, warm_up(engine, name))
     log.info("%d objects of the loaded models frozen out of garbage collection", freeze_heap())
-    limits = settings.limits
     return AsyncEngine(engine, max_active, limits.max_queued, limits.prefill_budget, limits.burst_budget)
 
 

@@ -110,6 +110,10 @@ class LimitSettings(_Section):
     # ... and in a step with no request decoding (a burst reaching an idle server); None: 2048 on a
     # GPU, prefill_budget on a CPU (an abort waits for the step it arrives in)
     burst_budget: int | None = Field(default=None, ge=1)
+    # a grammar (response_format's schema, guided_*, tools' parameters) larger than this is a 400
+    # before it is compiled, and one whose compile outlasts the timeout a 400 (decoding.grammar)
+    max_grammar_bytes: int = Field(default=262_144, ge=1024)
+    grammar_timeout_s: float = Field(default=10.0, gt=0)
     retry_after_s: int = Field(default=1, ge=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
 

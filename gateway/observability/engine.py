@@ -56,6 +56,9 @@ class ObservedEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._inner.shutdown(timeout)
 
+    async def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        return await self._inner.prepare(request)
+
     def submit(self, request: GenerationRequest) -> StepStream:
         obs, rec = self._obs, current_request()
         model, p = request.model, request.params

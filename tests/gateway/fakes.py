@@ -65,6 +65,9 @@ class ScriptedEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         pass
 
+    async def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        return request
+
     def submit(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
         self.engine.model(request.model)  # the refusal comes from submit itself
         if self.overloaded:

@@ -51,6 +51,9 @@ class ScriptedEngine:
     delay: float = 0.0
     aborted: list[str] = field(default_factory=list)
 
+    async def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        return request
+
     def submit(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
         return self._steps(request)
 
