@@ -130,7 +130,8 @@ class GatewayMiddleware:
             if preflight:
                 scope["state"]["tenant"] = "anonymous"
             else:
-                scope["state"]["tenant"] = self._tenant(path, sent.get(b"authorization", b""))
+                given_keys = [v for k, v in scope.get("headers") or [] if k == b"authorization"]
+                scope["state"]["tenant"] = self._tenant(path, given_keys)
             if inference and self.state.draining:
                 raise unavailable(
                     "The server is shutting down; retry on another replica.",
@@ -156,11 +157,22 @@ class GatewayMiddleware:
                 raise
             await error_response(to_api_error(exc))(scope, receive, send_with_id)
 
-    def _tenant(self, path: str, authorization: bytes) -> str:
+    def _tenant(self, path: str, authorization: list[bytes]) -> str:
+        """The tenant of a request's ``Authorization`` headers (every one the request carries)."""
         keys = self.state.settings.auth.api_keys
         if not keys or path in self.state.settings.auth.public_paths:
+            # no key is read here, so a proxy in front cannot judge one differently: two headers
+            # pass, as a health probe through a proxy that adds its own header must
             return "anonymous"
-        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        if len(authorization) > 1:
+            # the last one won here: a proxy in front that reads the first judged another key
+            # than the gateway (issue 48); refused, as several proxies refuse it
+            raise APIError(
+                400,
+                "The request carries more than one Authorization header; send exactly one.",
+                code="duplicate_authorization_header",
+            )
+        scheme, _, token = (authorization[0] if authorization else b"").decode("latin-1").partition(" ")
         token = token.strip()
         if scheme.lower() == "bearer" and token:
             # compare with every key (no early exit), each in constant time

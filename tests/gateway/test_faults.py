@@ -1,5 +1,6 @@
 """Faults an outside probe found, in process: colliding client request ids, client strings as metric
-labels, the OpenAPI document's loose ends, and answers given before the body was read."""
+labels, the OpenAPI document's loose ends, answers given before the body was read, and requests
+carrying two keys."""
 
 from __future__ import annotations
 
@@ -222,3 +223,39 @@ async def test_an_answer_after_the_whole_body_keeps_the_connection() -> None:
     for method, path, headers, parts, status in cases:
         got, head = _start(await _drive(_keyed(), method, path, headers, parts))
         assert got == status and "connection" not in head, (method, path, status)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"])
+async def test_two_authorization_headers_are_refused(path: str) -> None:
+    """The last of two keys won (wrong, then right: 200): a proxy in front that reads the first
+    would judge another key than the gateway. Two are a 400 in OpenAI's shape, whatever they are."""
+    app = _keyed()
+    body = {"model": "fake", "messages": MSGS, "max_tokens": 2}
+    async with client(app) as c:
+
+        async def call(*keys: str) -> Any:
+            headers = [("authorization", f"Bearer {k}") for k in keys]
+            if path == "/v1/models":
+                return await c.get(path, headers=headers)
+            return await c.post(path, json=body, headers=headers)
+
+        assert (await call("sk-a")).status_code == 200
+        for keys in (("sk-b", "sk-a"), ("sk-a", "sk-b"), ("sk-a", "sk-a")):
+            r = await call(*keys)
+            assert r.status_code == 400, keys
+            assert r.json()["error"] == {
+                "message": "The request carries more than one Authorization header; send exactly one.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "duplicate_authorization_header",
+            }
+            assert r.headers["x-request-id"]
+
+
+async def test_two_authorization_headers_pass_where_no_key_is_read() -> None:
+    """A public path, or a gateway without keys, reads no Authorization header at all."""
+    twice = [("authorization", "Bearer sk-b"), ("authorization", "Bearer sk-a")]
+    async with client(_keyed()) as c:
+        assert (await c.get("/health", headers=twice)).status_code == 200
+    async with client(create_app(settings(), engine=ScriptedEngine([token_ids("ok")]))) as c:  # type: ignore[arg-type]
+        assert (await c.get("/v1/models", headers=twice)).status_code == 200
