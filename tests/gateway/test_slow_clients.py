@@ -180,9 +180,16 @@ MEGABYTE = b"Content-Length: 1000000\r\n\r\n{"
         (HEAD + MEGABYTE, 401),  # no key
         (HEAD.replace(b"/chat/completions", b"/nothing") + b"Authorization: Bearer sk-a\r\n" + MEGABYTE, 404),
         (HEAD + b"Authorization: Bearer sk-a\r\nContent-Length: 2000000\r\n\r\n{", 413),
+        # refused while reading: a chunk larger than the limit, more than the limit of it sent
+        (
+            HEAD
+            + b"Authorization: Bearer sk-a\r\nTransfer-Encoding: chunked\r\n\r\n1e8480\r\n"
+            + b"{" * 1_100_000,
+            413,
+        ),
         (b"GET /v1/models HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer sk-a\r\n" + MEGABYTE, 200),
     ],
-    ids=["401", "404", "413", "GET-with-a-body"],
+    ids=["401", "404", "413", "413-counted", "GET-with-a-body"],
 )
 def test_a_connection_answered_before_its_body_arrived_is_closed(
     keyed: Server, head: bytes, status: int
