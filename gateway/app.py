@@ -60,10 +60,19 @@ def tenant_of(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def _has_body(headers: dict[bytes, bytes]) -> bool:
+    """Whether a request carries a body: a Transfer-Encoding, or a Content-Length other than 0
+    (RFC 9112 section 6.3)."""
+    length = headers.get(b"content-length", b"0").strip()
+    return b"transfer-encoding" in headers or not length.isdigit() or int(length) > 0
+
+
 class GatewayMiddleware:
     """Pure ASGI (so it also wraps streaming responses): x-request-id on every response, bearer
-    auth, the in-flight count the drain waits on, 503 while draining, and a 500 in OpenAI shape
-    for any fault that escapes a handler before its response started."""
+    auth, the in-flight count the drain waits on, 503 while draining, a 500 in OpenAI shape
+    for any fault that escapes a handler before its response started, and ``Connection: close``
+    on an answer given before the request's body was read (a 401, 404, 413): the rest of the body
+    is never read, so the connection cannot carry another request (issue 48)."""
 
     def __init__(self, app: ASGIApp, state: GatewayState):
         self.app = app
@@ -78,6 +87,14 @@ class GatewayMiddleware:
         rid = given if _CLIENT_ID.match(given) else f"req_{uuid.uuid4().hex}"
         scope.setdefault("state", {})["request_id"] = rid
         started = False
+        unread = _has_body(sent)  # until the app has received the body's last part
+
+        async def receive_noting_the_end() -> Message:
+            nonlocal unread
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                unread = False
+            return message
 
         origin = sent.get(b"origin", b"").decode("latin-1")
         allowed = self.state.settings.server.cors_allow_origins
@@ -89,6 +106,8 @@ class GatewayMiddleware:
                 started = True
                 headers = MutableHeaders(scope=message)
                 headers["x-request-id"] = rid
+                if unread:  # uvicorn closes the connection after an answer that says so
+                    headers["connection"] = "close"
                 if cors and "access-control-allow-origin" not in headers:
                     # this middleware's own answers (401, 503 draining, 500) pass no CORSMiddleware:
                     # a browser client may read them too
@@ -111,7 +130,8 @@ class GatewayMiddleware:
             if preflight:
                 scope["state"]["tenant"] = "anonymous"
             else:
-                scope["state"]["tenant"] = self._tenant(path, sent.get(b"authorization", b""))
+                given_keys = [v for k, v in scope.get("headers") or [] if k == b"authorization"]
+                scope["state"]["tenant"] = self._tenant(path, given_keys)
             if inference and self.state.draining:
                 raise unavailable(
                     "The server is shutting down; retry on another replica.",
@@ -119,15 +139,16 @@ class GatewayMiddleware:
                 )
             if inference:
                 self.state.inflight += 1
+            app_receive: Receive = receive_noting_the_end
             if scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = body_deadline(
-                    receive,
+                app_receive = body_deadline(
+                    app_receive,
                     self.state.settings.server.body_timeout_s,
                     self.state.drain_started,
                     self.state.settings.limits.retry_after_s,
                 )
             try:
-                await self.app(scope, receive, send_with_id)
+                await self.app(scope, app_receive, send_with_id)
             finally:
                 if inference:
                     self.state.inflight -= 1
@@ -136,11 +157,22 @@ class GatewayMiddleware:
                 raise
             await error_response(to_api_error(exc))(scope, receive, send_with_id)
 
-    def _tenant(self, path: str, authorization: bytes) -> str:
+    def _tenant(self, path: str, authorization: list[bytes]) -> str:
+        """The tenant of a request's ``Authorization`` headers (every one the request carries)."""
         keys = self.state.settings.auth.api_keys
         if not keys or path in self.state.settings.auth.public_paths:
+            # no key is read here, so a proxy in front cannot judge one differently: two headers
+            # pass, as a health probe through a proxy that adds its own header must
             return "anonymous"
-        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        if len(authorization) > 1:
+            # the last one won here: a proxy in front that reads the first judged another key
+            # than the gateway (issue 48); refused, as several proxies refuse it
+            raise APIError(
+                400,
+                "The request carries more than one Authorization header; send exactly one.",
+                code="duplicate_authorization_header",
+            )
+        scheme, _, token = (authorization[0] if authorization else b"").decode("latin-1").partition(" ")
         token = token.strip()
         if scheme.lower() == "bearer" and token:
             # compare with every key (no early exit), each in constant time

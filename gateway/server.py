@@ -12,7 +12,8 @@ is told first: a stream gets one OpenAI error event and ``[DONE]``, a plain requ
 Uploads are bounded in time: the request head by ``server.header_timeout_s`` (``TimedH11Protocol``,
 below uvicorn's ASGI layer, since a head never completed never reaches the app) and the body by
 ``server.body_timeout_s`` (``gateway.limits.body_deadline``); a body still arriving when the drain
-begins is a 503 at once rather than a request the drain must wait for.
+begins is a 503 at once rather than a request the drain must wait for. A body the app answered
+before reading (a 401, 404, 413) is never waited for: the connection closes after the answer.
 """
 
 from __future__ import annotations
@@ -53,7 +54,16 @@ class TimedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request's line and headers, from the
     connection's start or from the first byte of a later request on a kept-alive connection
     (uvicorn's keep-alive timeout covers the idle time between requests, not a head sent a byte a
-    second). ``header_timeout_s`` is set on a subclass (``timed_h11``)."""
+    second). ``header_timeout_s`` is set on a subclass (``timed_h11``).
+
+    A response that ends while its request's body is still arriving closes the connection (issue
+    48): uvicorn kept it alive and dropped the body's further bytes unread, and the first of them
+    cancelled its keep-alive timer for good, so a client answered early (a 401 or 404 before the
+    body was read) held the connection with one byte more. The app says ``Connection: close`` on
+    such answers (``GatewayMiddleware``), after which uvicorn closes; this closes after any answer
+    that did not say so. Either close is uvicorn's immediate one, not the lingering close of RFC
+    9112 section 9.6: a client still writing a large body may meet a reset before it has read
+    the answer."""
 
     header_timeout_s = 10.0
     _head_timer: asyncio.TimerHandle | None = None
@@ -72,6 +82,12 @@ class TimedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        # the rest of this request's body would never be read: no next request can follow it
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
+        super().on_response_complete()
 
     def _arm(self) -> None:
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)

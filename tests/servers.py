@@ -74,11 +74,12 @@ class RedisProcess:
             self.proc = None
 
 
-async def serve_in_loop(app: Any) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
+async def serve_in_loop(app: Any, **options: Any) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
     """``app`` served by uvicorn on a free port in this event loop, once it listens: its URL, the
-    server (``should_exit = True`` stops it) and the task to await after."""
+    server (``should_exit = True`` stops it) and the task to await after. ``options``: more of
+    ``uvicorn.Config``'s (``http=``, the protocol class ``specgate serve`` uses)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         assert not task.done(), "the server did not start"

@@ -1,5 +1,6 @@
 """Faults an outside probe found, in process: colliding client request ids, client strings as metric
-labels, and the OpenAPI document's loose ends."""
+labels, the OpenAPI document's loose ends, answers given before the body was read, and requests
+carrying two keys."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from starlette.types import Message
 
 from decoding.async_engine import AsyncEngine
 from decoding.engine import Engine
 from decoding.static import StaticModel
 from gateway.app import create_app
+from gateway.settings import load_settings
 from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.gateway.test_app import MSGS, client, settings, sse_data
 
@@ -130,3 +133,129 @@ async def test_requests_running_at_the_drain_timeout_are_told(stream: bool) -> N
         assert r.status_code == 503 and r.headers["retry-after"]
         err = r.json()["error"]
     assert err["type"] == "server_error" and err["code"] == "unavailable"
+
+
+def _keyed(**overrides: Any) -> Any:
+    s = load_settings(
+        overrides={"auth": {"api_keys": ["sk-a"]}, "cache": {"enabled": False}, **overrides}, env={}
+    )
+    return create_app(s, engine=ScriptedEngine([token_ids("ok")]))  # type: ignore[arg-type]
+
+
+async def _drive(
+    app: Any, method: str, path: str, headers: dict[str, str], parts: list[bytes]
+) -> list[Message]:
+    """The app's messages for one request, by hand: the body's ``parts`` (the last one ending it
+    unless more was declared), then a client gone quiet, whose next part never comes."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 8000),
+    }
+    declared = int(headers.get("content-length", "0"))
+    queue = list(parts)
+    sent_bytes = 0
+    quiet = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal sent_bytes
+        if not queue:
+            await quiet.wait()  # never set: the test's bound ends a request that waits for it
+        part = queue.pop(0)
+        sent_bytes += len(part)
+        return {"type": "http.request", "body": part, "more_body": sent_bytes < declared}
+
+    out: list[Message] = []
+
+    async def send(message: Message) -> None:
+        out.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), 60)  # a bound against a hang, not a timing
+    return out
+
+
+def _start(messages: list[Message]) -> tuple[int, dict[str, str]]:
+    start = messages[0]
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}
+
+
+KEY = {"authorization": "Bearer sk-a"}
+MEGABYTE = {"content-type": "application/json", "content-length": "1000000"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        ("POST", "/v1/chat/completions", MEGABYTE, 401),  # no key
+        ("POST", "/v1/nothing", MEGABYTE | KEY, 404),
+        ("POST", "/v1/chat/completions", {**MEGABYTE, "content-length": "2000000"} | KEY, 413),
+        ("GET", "/v1/models", MEGABYTE | KEY, 200),  # a body no GET route reads
+    ],
+)
+async def test_an_answer_before_the_body_is_read_closes_the_connection(
+    method: str, path: str, headers: dict[str, str], status: int
+) -> None:
+    """The rest of the body is never read, so the connection cannot carry a next request: the
+    answer says ``Connection: close`` (the server then closes it: test_slow_clients)."""
+    messages = await _drive(_keyed(), method, path, headers, [b"{"])
+    got, head = _start(messages)
+    assert got == status and head["connection"] == "close"
+    if status != 200:
+        assert set(json.loads(messages[1]["body"])["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_an_answer_after_the_whole_body_keeps_the_connection() -> None:
+    body = json.dumps({"model": "fake", "messages": MSGS, "max_tokens": 2}).encode()
+    cases = [
+        ("POST", "/v1/chat/completions", {"content-length": str(len(body))} | KEY, [body], 200),
+        ("GET", "/v1/models", {}, [], 401),  # no body to read: refused, and kept
+        ("GET", "/v1/models", KEY, [], 200),
+    ]
+    for method, path, headers, parts, status in cases:
+        got, head = _start(await _drive(_keyed(), method, path, headers, parts))
+        assert got == status and "connection" not in head, (method, path, status)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"])
+async def test_two_authorization_headers_are_refused(path: str) -> None:
+    """The last of two keys won (wrong, then right: 200): a proxy in front that reads the first
+    would judge another key than the gateway. Two are a 400 in OpenAI's shape, whatever they are."""
+    app = _keyed()
+    body = {"model": "fake", "messages": MSGS, "max_tokens": 2}
+    async with client(app) as c:
+
+        async def call(*keys: str) -> Any:
+            headers = [("authorization", f"Bearer {k}") for k in keys]
+            if path == "/v1/models":
+                return await c.get(path, headers=headers)
+            return await c.post(path, json=body, headers=headers)
+
+        assert (await call("sk-a")).status_code == 200
+        for keys in (("sk-b", "sk-a"), ("sk-a", "sk-b"), ("sk-a", "sk-a")):
+            r = await call(*keys)
+            assert r.status_code == 400, keys
+            assert r.json()["error"] == {
+                "message": "The request carries more than one Authorization header; send exactly one.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "duplicate_authorization_header",
+            }
+            assert r.headers["x-request-id"]
+
+
+async def test_two_authorization_headers_pass_where_no_key_is_read() -> None:
+    """A public path, or a gateway without keys, reads no Authorization header at all."""
+    twice = [("authorization", "Bearer sk-b"), ("authorization", "Bearer sk-a")]
+    async with client(_keyed()) as c:
+        assert (await c.get("/health", headers=twice)).status_code == 200
+    async with client(create_app(settings(), engine=ScriptedEngine([token_ids("ok")]))) as c:  # type: ignore[arg-type]
+        assert (await c.get("/v1/models", headers=twice)).status_code == 200
