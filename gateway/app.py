@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.client import EngineClient
 from decoding.errors import EngineError
-from gateway import protocol, serving
+from gateway import protocol, responses, serving
 from gateway.backends import Job
 from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, clip, error_response, to_api_error, unavailable
@@ -38,6 +38,7 @@ from gateway.local import LocalBackend
 from gateway.observability import Observability
 from gateway.observability.metrics import Metrics
 from gateway.observability.record import MAX_CLIENT_CHARS
+from gateway.response_store import response_store
 from gateway.routing import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
@@ -45,7 +46,7 @@ from router.breaker import CircuitBreaker
 
 log = logging.getLogger("specgate.gateway")
 
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # response headers a browser client may read (CORS): ours, Retry-After on 429/503, the rate limits'
 # levels, and x-should-retry (the OpenAI SDKs read it to leave a request too large for the tpm alone)
@@ -369,6 +370,10 @@ def create_app(
         state.cache.model_sources = {u.model: f"{u.base_url} {u.model}" for u in settings.upstreams} | {
             m.name: m.source for m in settings.models
         }
+    # stored Responses API responses: in the cache's Redis where one is set
+    state.extra["responses"] = response_store(
+        settings.responses, settings.cache.redis_url, settings.cache.key_prefix
+    )
     if engine is not None:
         state.backend = LocalBackend(obs.observe_engine(engine), _default_max_tokens(settings))
 
@@ -390,10 +395,14 @@ def create_app(
         await state.limiter.aclose()
         if state.cache is not None:
             await state.cache.close()
+        await state.extra["responses"].close()
 
     routes = [
         Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
         Route("/v1/completions", serving.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -409,7 +418,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.server.cors_allow_origins,
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"],
             expose_headers=EXPOSED.split(", "),
         )
