@@ -39,6 +39,7 @@ from gateway.observability import Observability
 from gateway.observability.metrics import Metrics
 from gateway.observability.record import MAX_CLIENT_CHARS
 from gateway.response_store import response_store
+from gateway.responses_protocol import ResponsesRequest
 from gateway.routing import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
@@ -216,6 +217,7 @@ def openapi_document(metrics: bool = True) -> dict[str, Any]:
         protocol.ModelList,
         protocol.ModelCard,
         protocol.ErrorBody,
+        ResponsesRequest,
     ]
     _, schemas = models_json_schema(
         [(m, "validation") for m in models],  # type: ignore[misc]  # pydantic's stubs: ModelMetaclass vs type
@@ -257,6 +259,14 @@ def openapi_document(metrics: bool = True) -> dict[str, Any]:
                 "post": op("Chat completion", "ChatCompletionRequest", "ChatCompletion", True)
             },
             "/v1/completions": {"post": op("Legacy completion", "CompletionRequest", "Completion", True)},
+            "/v1/responses": {"post": _responses_op(op)},
+            "/v1/responses/{response_id}": {
+                "get": op("A stored response", None, "Response"),
+                "delete": op("Delete a stored response", None, "ResponseDeleted"),
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+            },
             "/v1/models": {"get": op("List models", None, "ModelList")},
             "/v1/models/{model_id}": {
                 "get": op("One model", None, "ModelCard")
@@ -289,8 +299,44 @@ def openapi_document(metrics: bool = True) -> dict[str, Any]:
             if metrics
             else {}
         ),
-        "components": {"schemas": schemas.get("$defs", {})},
+        "components": {"schemas": schemas.get("$defs", {}) | RESPONSE_SCHEMAS},
     }
+
+
+# the Responses API's answers, built as dicts (gateway/response_events.py): their outline, for clients
+RESPONSE_SCHEMAS: dict[str, Any] = {
+    "Response": {
+        "type": "object",
+        "description": "OpenAI's response object (id resp_..., object 'response', status, output items, usage)",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response"},
+            "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+            "output": {"type": "array", "items": {"type": "object"}},
+        },
+        "required": ["id", "object", "status", "output"],
+    },
+    "ResponseDeleted": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response.deleted"},
+            "deleted": {"const": True},
+        },
+        "required": ["id", "object", "deleted"],
+    },
+}
+
+
+def _responses_op(op: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    out = op("Create a response (OpenAI's Responses API)", "ResponsesRequest", "Response")
+    out["responses"]["200"]["content"]["text/event-stream"] = {
+        "schema": {
+            "type": "string",
+            "description": "typed events (event: <type>, data: {type, sequence_number, ...}); no [DONE]",
+        }
+    }
+    return out
 
 
 async def openapi(request: Request) -> Response:

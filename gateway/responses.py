@@ -215,7 +215,10 @@ def _untagged(exc: ValidationError) -> ValidationError:
                 **({"ctx": e["ctx"]} if "ctx" in e else {}),
             }
         )
-    return ValidationError.from_exception_data(exc.title, details)
+    try:
+        return ValidationError.from_exception_data(exc.title, details)
+    except Exception:  # an error pydantic cannot rebuild (a custom type): as it came, tags and all
+        return exc
 
 
 def _param(name: str | None) -> str | None:

@@ -37,7 +37,7 @@ def _text_parts_only(content: Any) -> Any:
     return content
 
 
-class TextPart(_Strict):
+class ItemText(_Strict):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
@@ -48,15 +48,15 @@ class RefusalPart(_Strict):
 
 
 Content = Annotated[
-    str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]],
+    str | list[Annotated[ItemText | RefusalPart, Field(discriminator="type")]],
     BeforeValidator(_text_parts_only),
 ]
 
 
-def text_of(content: str | list[TextPart | RefusalPart]) -> str:
+def text_of(content: str | list[ItemText | RefusalPart]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
+    return "".join(p.text if isinstance(p, ItemText) else p.refusal for p in content)
 
 
 class MessageItem(_Strict):
