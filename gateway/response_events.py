@@ -89,42 +89,26 @@ class ResponsesFormat(ChatFormat):
 
     # ---- deltas -> items and events ----------------------------------------------------------
 
-    def _event(self, kind: str, **fields: Any) -> Event:
-        return kind, fields
-
     def _item(self) -> dict[str, Any]:
         return self.output[-1]
 
-    def _at(self) -> dict[str, Any]:
-        return {"item_id": self._item()["id"], "output_index": len(self.output) - 1}
+    def _whole(self, kind: str) -> Event:
+        """``output_item.added`` / ``.done``: the item as it stands (a copy: it grows after)."""
+        return kind, {"output_index": len(self.output) - 1, "item": copy.deepcopy(self._item())}
 
-    def _open_message(self) -> list[Event]:
-        self.output.append(
-            {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
-        )
-        self.open = True
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        added = self._event(
-            "response.output_item.added", output_index=len(self.output) - 1, item=copy.deepcopy(self._item())
-        )
-        self._item()["content"].append(part)
-        return [
-            added,
-            self._event(
-                "response.content_part.added", **self._at(), content_index=0, part=copy.deepcopy(part)
-            ),
-        ]
+    def _within(self, kind: str, **fields: Any) -> Event:
+        """An event about the last item's content: its deltas and ``.done`` events."""
+        return kind, {"item_id": self._item()["id"], "output_index": len(self.output) - 1, **fields}
 
-    def _open_call(self, call_id: str, name: str) -> list[Event]:
-        item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
-                "call_id": call_id, "name": name}  # fmt: skip
+    def _open(self, item: dict[str, Any]) -> list[Event]:
         self.output.append(item)
         self.open = True
-        return [
-            self._event(
-                "response.output_item.added", output_index=len(self.output) - 1, item=copy.deepcopy(item)
-            )
-        ]
+        out = [self._whole("response.output_item.added")]
+        if item["type"] == "message":  # one output_text part, added empty
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            out.append(self._within("response.content_part.added", content_index=0, part=copy.deepcopy(part)))
+        return out
 
     def _close(self, status: str = "completed") -> list[Event]:
         if not self.open:
@@ -132,54 +116,32 @@ class ResponsesFormat(ChatFormat):
         self.open = False
         item = self._item()
         item["status"] = status
-        out = []
         if item["type"] == "message":
             part = item["content"][0]
-            out.append(
-                self._event(
-                    "response.output_text.done", **self._at(), content_index=0, text=part["text"], logprobs=[]
-                )
-            )
-            out.append(
-                self._event(
-                    "response.content_part.done", **self._at(), content_index=0, part=copy.deepcopy(part)
-                )
-            )
+            out = [
+                self._within("response.output_text.done", content_index=0, text=part["text"], logprobs=[]),
+                self._within("response.content_part.done", content_index=0, part=copy.deepcopy(part)),
+            ]
         else:
-            out.append(
-                self._event(
-                    "response.function_call_arguments.done", **self._at(), arguments=item["arguments"]
-                )
-            )
-        out.append(
-            self._event(
-                "response.output_item.done", output_index=len(self.output) - 1, item=copy.deepcopy(item)
-            )
-        )
-        return out
+            out = [self._within("response.function_call_arguments.done", arguments=item["arguments"])]
+        return [*out, self._whole("response.output_item.done")]
 
     def _apply(self, d: Delta) -> list[Event]:
-        ChatFormat.fold(
-            self, d
-        )  # texts, calls, finish and token counts, as chat keeps them (the cache reads them)
+        ChatFormat.fold(self, d)  # texts, calls, finish and counts, as chat keeps them (the cache reads them)
         out: list[Event] = []
         if d.text:
             if not (self.open and self._item()["type"] == "message"):
-                out += self._close() + self._open_message()
+                message = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant"}
+                out += self._close() + self._open({**message, "content": []})
             self._item()["content"][0]["text"] += d.text
-            out.append(
-                self._event(
-                    "response.output_text.delta", **self._at(), content_index=0, delta=d.text, logprobs=[]
-                )
-            )
+            out.append(self._within("response.output_text.delta", content_index=0, delta=d.text, logprobs=[]))
         for piece in d.tool_calls or []:
             if piece.id is not None:
-                out += self._close() + self._open_call(piece.id, piece.name or "")
+                call = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "arguments": ""}
+                out += self._close() + self._open({**call, "call_id": piece.id, "name": piece.name or ""})
             if piece.arguments:
                 self._item()["arguments"] += piece.arguments
-                out.append(
-                    self._event("response.function_call_arguments.delta", **self._at(), delta=piece.arguments)
-                )
+                out.append(self._within("response.function_call_arguments.delta", delta=piece.arguments))
         if d.finish_reason is not None:
             out += self._close("incomplete" if d.finish_reason == "length" else "completed")
         return out

@@ -73,9 +73,9 @@ class MemoryResponses:
             self._records.popitem(last=False)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        return await self.get(tenant, response_id) is not None and bool(
-            self._records.pop((_tag(tenant), response_id), None)
-        )
+        found = await self.get(tenant, response_id) is not None  # drops an expired one
+        self._records.pop((_tag(tenant), response_id), None)
+        return found
 
     async def close(self) -> None:
         self._records.clear()

@@ -16,7 +16,10 @@ import pytest
 from decoding.params import FinishReason
 from decoding.tiny import byte_tokenizer
 from gateway.app import create_app
+from gateway.backends import Delta, Generation, Job
+from gateway.response_events import ResponsesFormat
 from gateway.settings import load_settings
+from gateway.tools import ToolCallParser
 from tests.gateway.conftest import API_KEY, TINY_MODELS, Server, start_server, stop_server
 from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.servers import UNHURRIED_REDIS, RedisProcess, serve_in_loop
@@ -39,9 +42,10 @@ WEATHER = {
 class Scripted:
     """A real server (uvicorn, this event loop) on a scripted engine; ``say`` sets what it writes next."""
 
-    def __init__(self, engine: ScriptedEngine, url: str):
+    def __init__(self, engine: ScriptedEngine, url: str, app: Any):
         self.engine = engine
         self.url = url
+        self.app = app
 
     def say(self, text: str, step: int = 4) -> None:
         ids = token_ids(text)
@@ -61,7 +65,7 @@ async def _scripted(**settings: Any) -> AsyncIterator[Scripted]:
     app = create_app(load_settings(overrides=overrides, env={}), engine=engine)
     url, server, task = await serve_in_loop(app)
     try:
-        yield Scripted(engine, url)
+        yield Scripted(engine, url, app)
     finally:
         server.should_exit = True
         await task
@@ -387,3 +391,113 @@ def test_plain_and_continued_on_the_tiny_model(client: openai.OpenAI) -> None:
     )
     assert second.usage is not None and second.usage.input_tokens > first.usage.input_tokens + 8
     assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
+# ---- the format alone: however the deltas are cut, the events rebuild the whole --------------------
+
+
+def _deltas(text: str, size: int, names: list[str]) -> list[Delta]:
+    """``text`` as the local backend cuts it into deltas (``size`` characters a step), calls parsed."""
+    parser = ToolCallParser(names)
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    out = []
+    for p in pieces:
+        content, calls = parser.feed(p)
+        out.append(Delta(0, content, completion_tokens=1, tool_calls=calls or None))
+    content, calls = parser.flush()
+    out.append(
+        Delta(0, content, finish_reason="tool_calls" if parser.calls else "stop", tool_calls=calls or None)
+    )
+    return out
+
+
+def _rebuilt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output as a client rebuilds it from the events alone."""
+    items: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            items[e["output_index"]] = {**e["item"], "content": [], "text": "", "arguments": ""}
+        elif e["type"] == "response.output_text.delta":
+            items[e["output_index"]]["text"] += e["delta"]
+        elif e["type"] == "response.function_call_arguments.delta":
+            items[e["output_index"]]["arguments"] += e["delta"]
+        elif e["type"] == "response.output_item.done":
+            done = e["item"]
+            kept = items[e["output_index"]]
+            assert done["id"] == kept["id"]
+            assert kept["text" if done["type"] == "message" else "arguments"] == (
+                done["content"][0]["text"] if done["type"] == "message" else done["arguments"]
+            )
+            items[e["output_index"]] = done
+    return [items[i] for i in sorted(items)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+async def test_events_rebuild_the_whole_output_however_the_text_is_cut(size: int) -> None:
+    text = f"Let me look.{CALL}\n{CALL.replace('Paris', 'Oslo')}"
+    job = Job(
+        request_id="r",
+        kind="chat",
+        model="m",
+        tools=[{"type": "function", "function": {"name": "get_weather"}}],
+    )
+    whole = ResponsesFormat("m", job, {})
+    streamed = ResponsesFormat("m", job, {})
+    events = [json.loads(e["data"]) for e in streamed.opening(Generation(0, _no_deltas()))]
+    for d in _deltas(text, size, ["get_weather"]):
+        whole.fold(d)
+        events += [json.loads(e["data"]) for e in streamed.chunks(d)]
+    gen = Generation(5, _no_deltas())
+    await whole.settle(gen)
+    await streamed.settle(gen)
+    events += [json.loads(e["data"]) for e in streamed.closing(gen)]
+    output = whole.whole(gen)["output"]
+    assert [i["type"] for i in output] == ["message", "function_call", "function_call"]
+    assert output[0]["content"][0]["text"] == "Let me look."
+    assert [json.loads(i["arguments"])["city"] for i in output[1:]] == ["Paris", "Oslo"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    rebuilt = _rebuilt(events)
+    strip = [{k: v for k, v in i.items() if k != "id"} for i in output]
+    assert [{k: v for k, v in i.items() if k != "id"} for i in rebuilt] == strip
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"] == rebuilt
+
+
+async def _no_deltas() -> AsyncIterator[Delta]:
+    return
+    yield
+
+
+async def test_a_cached_response_replays_text_and_calls() -> None:
+    """The response cache keys a Responses request as the chat request it means, and replays it
+    through the Responses format: items and events with fresh ids."""
+    async for served in _scripted(cache={"enabled": True}):
+        served.say(f"Let me look.{CALL}")
+        async with served.client() as client:
+            body: dict[str, Any] = {
+                "model": "fake",
+                "input": "Weather?",
+                "tools": [WEATHER],
+                "temperature": 0,
+            }
+            fresh = await client.responses.create(**body)
+            await served.app.state.gateway.cache.cache.drain()  # the store is written after the answer
+            raw = await client.responses.with_raw_response.create(**body)
+            events = [e async for e in await client.responses.create(**body, stream=True)]
+        assert raw.headers["x-specgate-cache"].startswith("exact") and len(served.engine.requests) == 1
+        cached = raw.parse()
+        assert (
+            [i.type for i in cached.output] == [i.type for i in fresh.output] == ["message", "function_call"]
+        )
+        assert cached.output[1].arguments == fresh.output[1].arguments
+        assert cached.output[1].call_id != fresh.output[1].call_id and cached.id != fresh.id
+        assert events[-1].type == "response.completed" and events[-1].response.output_text == "Let me look."
+
+
+async def test_a_key_is_needed(scripted: Scripted) -> None:
+    async with httpx.AsyncClient(base_url=scripted.url) as raw:
+        for r in (
+            await raw.post("/v1/responses", json={"model": "fake", "input": "x"}),
+            await raw.get("/v1/responses/resp_x"),
+            await raw.delete("/v1/responses/resp_x"),
+        ):
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
