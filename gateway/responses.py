@@ -84,8 +84,11 @@ async def parse(request: Request, body: bytes, state: GatewayState) -> Parsed:
     if not new and not context:
         raise bad_request("Missing required parameter: 'input'.", param="input")
     messages = chat_messages(req.instructions, _ITEMS.validate_python(context), new)
-    chat = ChatCompletionRequest.model_validate(chat_body(req, messages))
-    job = to_job(chat, request.state.request_id, tenant, state.settings)
+    try:
+        chat = ChatCompletionRequest.model_validate(chat_body(req, messages))
+        job = to_job(chat, request.state.request_id, tenant, state.settings)
+    except APIError as exc:
+        raise in_our_words(exc) from exc
     fields = echoed(req)
     kept = context + [item.model_dump(exclude_none=True) for item in new]
 
@@ -99,7 +102,7 @@ async def parse(request: Request, body: bytes, state: GatewayState) -> Parsed:
         job,
         req.stream,
         lambda served: ResponsesFormat(served, job, fields, keep if req.store else None),
-        param=_param,
+        words=in_our_words,
     )
 
 
@@ -221,14 +224,17 @@ def _untagged(exc: ValidationError) -> ValidationError:
         return exc
 
 
-def _param(name: str | None) -> str | None:
-    """A chat parameter named by a refusal from the shared path, as this API names it."""
-    if name is None:
-        return None
-    if name.startswith("tools[") and ".function" in name:
-        return name.replace(".function", "", 1)
-    head = name.split("[", 1)[0].split(".", 1)[0]
-    return _PARAMS.get(head, name)
+def in_our_words(error: APIError) -> APIError:
+    """A refusal from the chat path, naming the parameter as this API names it."""
+    name = error.param
+    if name is not None and name.startswith("tools[") and ".function" in name:
+        error.param = name.replace(".function", "", 1)
+    elif name is not None:
+        error.param = _PARAMS.get(name.split("[", 1)[0].split(".", 1)[0], name)
+    for chat, ours in _PARAMS.items():
+        if chat != "messages":  # the word is too common to replace in prose
+            error.message = error.message.replace(chat, ours)
+    return error
 
 
 def _store(state: GatewayState) -> ResponseStore:

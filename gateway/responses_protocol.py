@@ -91,13 +91,13 @@ def _typed(items: Any) -> Any:
     if not isinstance(items, list):
         return items
     out = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, dict):
             kind = item.get("type")
             if kind is None and "role" in item:
                 item = {**item, "type": "message"}
             elif isinstance(kind, str) and kind not in ITEM_TYPES:
-                raise ValueError(f"input items of type {kind[:40]!r} are not supported by this server")
+                raise ValueError(f"input[{i}]: items of type {kind[:40]!r} are not supported by this server")
         out.append(item)
     return out
 
@@ -111,10 +111,10 @@ class FunctionTool(_Strict):
 
 
 def _function_tools(tools: Any) -> Any:
-    for tool in tools if isinstance(tools, list) else []:
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if isinstance(kind, str) and kind != "function":
-            raise ValueError(f"tools of type {kind[:40]!r} are not supported: only function tools are")
+            raise ValueError(f"tools[{i}]: tools of type {kind[:40]!r} are not supported, only functions")
     return tools
 
 
@@ -142,9 +142,9 @@ class TextConfig(_Strict):
 
 class ResponsesRequest(_Request):
     model: str = Field(min_length=1)
-    input: str | Annotated[list[InputItem], BeforeValidator(_typed)] | None = None
+    input: str | list[InputItem] | None = None
     instructions: str | None = None
-    tools: Annotated[list[FunctionTool], BeforeValidator(_function_tools)] | None = None
+    tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -174,6 +174,10 @@ class ResponsesRequest(_Request):
     prompt: Any = None
     max_tool_calls: Any = None
     top_logprobs: Any = None
+
+    # before the unions, so that a refusal is reported once and not as every branch's mismatch
+    _input = field_validator("input", mode="before")(_typed)
+    _tools = field_validator("tools", mode="before")(_function_tools)
 
     @field_validator("metadata")
     @classmethod

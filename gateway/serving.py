@@ -102,8 +102,8 @@ class Parsed:
     job: Job
     stream: bool
     format: Callable[[str], Format]  # the serving model's name -> the answer's format
-    # the endpoint's name for a parameter an error names (chat's "messages" is the Responses API's "input")
-    param: Callable[[str | None], str | None] = lambda name: name
+    # an error from the shared path in the endpoint's words (chat's "messages" is the Responses API's "input")
+    words: Callable[[APIError], APIError] = lambda error: error
 
 
 Parse = Callable[[Request, bytes, GatewayState], Awaitable[Parsed]]
@@ -193,7 +193,7 @@ async def serve(request: Request, parse: Parse, prompt_param: str) -> Response:
     except Exception as exc:
         error = to_api_error(exc, prompt_param, retry)
         if parsed is not None:
-            error.param = parsed.param(error.param)
+            error = parsed.words(error)
         state.limiter.charge_tokens(request.state.tenant, -reserved)  # nothing was generated
         # not served, through no fault of the client's: the gateway's failure (5xx), or an upstream
         # that turned it away (its 429 too; Route.start raises it as the APIError it becomes, from

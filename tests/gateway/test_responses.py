@@ -288,6 +288,18 @@ async def test_responses_are_kept_in_redis_per_tenant(
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r"}}}, "text.format.schema"),
         ({"input": "x", "background": True}, "background"),
         ({}, "input"),
+        (
+            {
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "r", "schema": {"type": "no"}}},
+            },
+            "text.format",
+        ),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+            "tools[0].parameters",
+        ),
+        ({"input": "x" * 5000}, "input"),  # past the context: context_length_exceeded, naming input
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
     ],
 )
