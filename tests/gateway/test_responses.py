@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from decoding.params import FinishReason
@@ -393,6 +394,19 @@ def test_json_schema_text_format_on_the_tiny_model(client: openai.OpenAI) -> Non
         if e.type == "response.output_text.delta"
     )
     assert streamed == r.output_text
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int
+
+
+def test_the_sdks_parse_helper_on_the_tiny_model(client: openai.OpenAI) -> None:
+    """``responses.parse(text_format=...)`` sends a strict json_schema and parses output_text into it."""
+    r = client.responses.parse(
+        model="tiny", input="A person.", text_format=Person, temperature=0, max_output_tokens=200
+    )
+    assert isinstance(r.output_parsed, Person)
 
 
 def test_plain_and_continued_on_the_tiny_model(client: openai.OpenAI) -> None:
