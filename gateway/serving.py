@@ -1,9 +1,12 @@
 """The inference handlers: body -> validated ``Job`` (gateway/jobs.py) -> route -> backend -> response.
 
+``serve`` is every inference route's one path; an endpoint brings its ``Parse`` (body -> job and
+answer format: chat and legacy completions here, the Responses API in gateway/responses.py).
 Everything that can refuse a request (body size, schema, limits, rate, unknown model, prompt
-length, overload) happens before a 200 goes out; after it, a fault becomes one SSE error event and
-``[DONE]``. ``state.router`` (gateway/routing.py) picks the backend and its fallbacks; ``state.cache``
-answers a request or stores its finished generation, streamed or not (gateway/backends.py).
+length, overload) happens before a 200 goes out; after it, a fault becomes the format's error event
+(chat's: one ``{"error"}`` event and ``[DONE]``). ``state.router`` (gateway/routing.py) picks the
+backend and its fallbacks; ``state.cache`` answers a request or stores its finished generation,
+streamed or not (gateway/backends.py).
 """
 
 from __future__ import annotations

@@ -128,7 +128,10 @@ def _check(response: requests.Response, case: Any) -> None:
         assert set(body) == {"error"}, what
         assert set(body["error"]) == {"message", "type", "param", "code"}, what
         assert isinstance(body["error"]["message"], str) and body["error"]["message"], what
-    elif response.headers.get("content-type", "").startswith("text/event-stream") and "/responses" in what:
+    elif (
+        response.headers.get("content-type", "").startswith("text/event-stream")
+        and case.formatted_path == "/v1/responses"
+    ):
         # the Responses API's typed events end with the response's own, never an error or [DONE]
         data = [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
         kinds = [json.loads(d)["type"] for d in data]
