@@ -270,6 +270,34 @@ async def test_responses_are_kept_in_redis_per_tenant(
         await db.delete(*keys)
 
 
+async def test_a_redis_that_cannot_answer_is_a_503_never_a_404(tmp_path: Any) -> None:
+    """The store does not fail open as the cache does: a record that cannot be read is no "not
+    found". An answer whose record cannot be written still goes out."""
+    redis = RedisProcess(tmp_path)
+    redis.start()
+    try:
+        cache = {
+            "enabled": False,
+            "redis_url": redis.url,
+            "key_prefix": "test-responses",
+            "timeout_ms": 2000.0,
+        }
+        async for served in _scripted(cache=cache, responses={"timeout_ms": 300}):
+            served.say("Stored, then unreadable.")
+            async with served.client() as client:
+                r = await client.responses.create(model="fake", input="Keep.")
+                redis.stop()
+                with pytest.raises(openai.InternalServerError) as err:
+                    await client.responses.retrieve(r.id)
+                assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
+                with pytest.raises(openai.InternalServerError):
+                    await client.responses.create(model="fake", input="More.", previous_response_id=r.id)
+                unkept = await client.responses.create(model="fake", input="Again.")
+                assert unkept.output_text == "Stored, then unreadable."
+    finally:
+        redis.stop()
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
