@@ -52,7 +52,7 @@ async def served() -> AsyncIterator[tuple[str, Turns]]:
         await task
 
 
-@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+@pytest.mark.parametrize("api", ["responses", "responses_streamed", "chat_completions"])
 async def test_an_agent_with_two_tools_completes_a_tool_loop(served: tuple[str, Turns], api: str) -> None:
     url, engine = served
     called: list[tuple[str, str]] = []
@@ -70,18 +70,22 @@ async def test_an_agent_with_two_tools_completes_a_tool_loop(served: tuple[str, 
         return "14:05"
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    model_class: Any = (
-        agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
-    )
+    chat = api == "chat_completions"
+    model_class: Any = agents.OpenAIChatCompletionsModel if chat else agents.OpenAIResponsesModel
     agent = agents.Agent(
         name="assistant",
         instructions="Answer with the tools.",
         tools=[get_weather, get_time],
         model=model_class(model="fake", openai_client=client),
     )
-    result = await agents.Runner.run(
-        agent, "Weather and time in Paris?", run_config=agents.RunConfig(tracing_disabled=True)
-    )
+    config = agents.RunConfig(tracing_disabled=True)
+    if api == "responses_streamed":  # the SDK reads the typed events itself
+        streamed = agents.Runner.run_streamed(agent, "Weather and time in Paris?", run_config=config)
+        kinds = {e.data.type async for e in streamed.stream_events() if e.type == "raw_response_event"}
+        assert {"response.function_call_arguments.delta", "response.output_text.delta"} <= kinds
+        result: Any = streamed
+    else:
+        result = await agents.Runner.run(agent, "Weather and time in Paris?", run_config=config)
     await client.close()
     assert result.final_output == ANSWER
     assert called == [("get_weather", "Paris"), ("get_time", "Paris")]
