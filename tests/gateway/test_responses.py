@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
 from decoding.params import FinishReason
 from decoding.tiny import byte_tokenizer
@@ -26,6 +27,8 @@ from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.servers import UNHURRIED_REDIS, RedisProcess, serve_in_loop
 
 OTHER_KEY = "sk-other-tenant"
+# the SDK's own event types, validated (the client constructs them unvalidated: a missing field passes)
+STREAM_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {
     "type": "function",
@@ -107,6 +110,7 @@ async def test_a_plain_response(scripted: Scripted) -> None:
     )
     assert r.usage.model_extra is not None and r.usage.model_extra["speculative"]["steps"] == 5
     assert r.instructions == "Be brief." and r.store is True and r.tools == [] and r.tool_choice == "auto"
+    Response.model_validate(r.to_dict())  # what the SDK's type requires, validated
     [prompt] = scripted.prompts()
     assert "Be brief." in prompt and "Say hello." in prompt
 
@@ -155,7 +159,9 @@ async def test_a_streamed_response_sends_openais_events_and_no_done(scripted: Sc
     blocks = [b for b in r.text.split("\n\n") if b.startswith("event: ")]
     for block in blocks:
         event_line, data_line = block.split("\n")
-        assert json.loads(data_line.removeprefix("data: "))["type"] == event_line.removeprefix("event: ")
+        payload = json.loads(data_line.removeprefix("data: "))
+        assert payload["type"] == event_line.removeprefix("event: ")
+        STREAM_EVENT.validate_python(payload)  # every field the SDK's own types require, as they type it
 
 
 async def test_the_stream_helper_gives_the_final_response(scripted: Scripted) -> None:
@@ -182,6 +188,8 @@ async def test_a_scripted_tool_call_streamed_and_not(scripted: Scripted) -> None
     assert r.tools[0].name == "get_weather"
     kinds = [e.type for e in events]
     assert "response.output_text.delta" not in kinds
+    for e in events:
+        STREAM_EVENT.validate_python(e.to_dict())
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert args == done.arguments and json.loads(args) == {"city": "Paris"}
@@ -350,6 +358,7 @@ async def test_a_fault_after_the_200_ends_the_stream_with_response_failed(script
     async with scripted.client() as client:
         events = [e async for e in await client.responses.create(model="fake", input="Fail.", stream=True)]
     assert events[-1].type == "response.failed"
+    STREAM_EVENT.validate_python(events[-1].to_dict())
     failed = events[-1].response
     assert failed.status == "failed" and failed.error is not None and failed.error.code == "server_error"
     async with scripted.client() as client:
