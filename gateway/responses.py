@@ -87,8 +87,8 @@ async def parse(request: Request, body: bytes, state: GatewayState) -> Parsed:
     try:
         chat = ChatCompletionRequest.model_validate(chat_body(req, messages))
         job = to_job(chat, request.state.request_id, tenant, state.settings)
-    except APIError as exc:
-        raise in_our_words(exc) from exc
+    except (APIError, ValidationError) as exc:
+        raise in_our_words(to_api_error(exc)) from exc
     fields = echoed(req)
     kept = context + [item.model_dump(exclude_none=True) for item in new]
 
