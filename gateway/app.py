@@ -267,6 +267,19 @@ def openapi_document(metrics: bool = True) -> dict[str, Any]:
                     {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
                 ],
             },
+            "/v1/responses/{response_id}/input_items": {
+                "get": op("The input items a stored response answered", None, "ResponseItemList"),
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+                    },
+                    {"name": "after", "in": "query", "schema": {"type": "string"}},
+                ],
+            },
             "/v1/models": {"get": op("List models", None, "ModelList")},
             "/v1/models/{model_id}": {
                 "get": op("One model", None, "ModelCard")
@@ -315,6 +328,17 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
             "output": {"type": "array", "items": {"type": "object"}},
         },
         "required": ["id", "object", "status", "output"],
+    },
+    "ResponseItemList": {
+        "type": "object",
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": {"type": "object"}},
+            "first_id": {"type": ["string", "null"]},
+            "last_id": {"type": ["string", "null"]},
+            "has_more": {"type": "boolean"},
+        },
+        "required": ["object", "data", "first_id", "last_id", "has_more"],
     },
     "ResponseDeleted": {
         "type": "object",
@@ -449,6 +473,7 @@ def create_app(
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -24,7 +24,7 @@ from gateway.formatting import ChatFormat, sse_json
 Event = tuple[str, dict[str, Any]]  # (type, the payload's other fields)
 
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -44,7 +44,7 @@ class ResponsesFormat(ChatFormat):
         keep: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
     ):
         super().__init__(model, False, 1, calls_only=job.calls_only, calls_tools=job.calls_tools)
-        self.id = _id("resp")
+        self.id = new_id("resp")
         self.fields = fields
         self.keep = keep
         self.seq = 0
@@ -131,13 +131,18 @@ class ResponsesFormat(ChatFormat):
         out: list[Event] = []
         if d.text:
             if not (self.open and self._item()["type"] == "message"):
-                message = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant"}
+                message = {
+                    "id": new_id("msg"),
+                    "type": "message",
+                    "status": "in_progress",
+                    "role": "assistant",
+                }
                 out += self._close() + self._open({**message, "content": []})
             self._item()["content"][0]["text"] += d.text
             out.append(self._within("response.output_text.delta", content_index=0, delta=d.text, logprobs=[]))
         for piece in d.tool_calls or []:
             if piece.id is not None:
-                call = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "arguments": ""}
+                call = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "arguments": ""}
                 out += self._close() + self._open({**call, "call_id": piece.id, "name": piece.name or ""})
             if piece.arguments:
                 self._item()["arguments"] += piece.arguments

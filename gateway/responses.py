@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import APIError, bad_request, clip, to_api_error
 from gateway.jobs import to_job
 from gateway.protocol import ChatCompletionRequest
-from gateway.response_events import ResponsesFormat
+from gateway.response_events import ResponsesFormat, new_id
 from gateway.response_store import ResponseStore
 from gateway.responses_protocol import (
     UNSUPPORTED,
@@ -90,7 +90,7 @@ async def parse(request: Request, body: bytes, state: GatewayState) -> Parsed:
     except (APIError, ValidationError) as exc:
         raise in_our_words(to_api_error(exc)) from exc
     fields = echoed(req)
-    kept = context + [item.model_dump(exclude_none=True) for item in new]
+    kept = context + [_with_id(item.model_dump(exclude_none=True)) for item in new]
 
     async def keep(response: dict[str, Any]) -> None:
         try:
@@ -224,6 +224,14 @@ def _untagged(exc: ValidationError) -> ValidationError:
         return exc
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def _with_id(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as stored: with an id of its own (``input_items`` lists items by id)."""
+    return item if "id" in item else {"id": new_id(_ID_PREFIXES[item["type"]]), **item}
+
+
 def in_our_words(error: APIError) -> APIError:
     """A refusal from the chat path, naming the parameter as this API names it."""
     name = error.param
@@ -259,3 +267,49 @@ async def delete(request: Request) -> Response:
     if not await _store(request.app.state.gateway).delete(request.state.tenant, response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def input_items(request: Request) -> Response:
+    """The items a stored response answered (a previous response's included), OpenAI's list page:
+    ``order`` (``desc``, newest first, by default), ``limit`` (1-100, 20) and ``after`` (an item id)."""
+    response_id = request.path_params["response_id"]
+    record = await _store(request.app.state.gateway).get(request.state.tenant, response_id)
+    if record is None:
+        raise _not_found(response_id)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(
+            f"Invalid value for 'order': expected 'asc' or 'desc', got {clip(order, 16)!r}.", "order"
+        )
+    limit = query.get("limit", "20")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+        raise bad_request(
+            f"Invalid value for 'limit': an integer from 1 to 100, got {clip(limit, 16)!r}.", "limit"
+        )
+    items = [_listed(item) for item in record["context"]]
+    items = items[::-1] if order == "desc" else items
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise bad_request(f"No input item with id '{clip(after, 64)}' in this response.", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit)]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored item as OpenAI lists it: a message's text as a content part, a status on each."""
+    if item["type"] == "message" and isinstance(item["content"], str):
+        kind = "output_text" if item["role"] == "assistant" else "input_text"
+        item = {**item, "content": [{"type": kind, "text": item["content"]}]}
+    return {**item, "status": item.get("status", "completed")}

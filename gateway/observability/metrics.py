@@ -57,6 +57,7 @@ ROUTES = frozenset(
         "/v1/completions",
         "/v1/responses",
         "/v1/responses/{id}",
+        "/v1/responses/{id}/input_items",
         "/v1/models",
         "/v1/models/{id}",
         "/health",
@@ -79,7 +80,7 @@ def route_label(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
     if path.startswith("/v1/responses/"):
-        return "/v1/responses/{id}"
+        return "/v1/responses/{id}/input_items" if path.endswith("/input_items") else "/v1/responses/{id}"
     return OTHER
 
 

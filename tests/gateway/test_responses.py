@@ -225,6 +225,20 @@ async def test_a_tool_loop_with_previous_response_id(scripted: Scripted) -> None
     assert "Weather in Paris?" in two and '"city": "Paris"' in two and "sunny, 21 C" in two
     assert "Weather in Paris?" in three and "It is sunny in Paris." in three and "What did I ask?" in three
     assert third.output_text == "You asked about Paris."
+    async with scripted.client() as client:  # what third answered, as the SDK pages it
+        items = [item async for item in client.responses.input_items.list(third.id, order="asc")]
+        newest = await client.responses.input_items.list(third.id, limit=2)
+    assert [i.type for i in items] == [
+        "message",
+        "function_call",
+        "function_call_output",
+        "message",
+        "message",
+    ]
+    assert items[1].id == call.id and items[3].id == second.output[0].id  # outputs keep their ids
+    assert all(i.id for i in items) and len({i.id for i in items}) == 5
+    assert items[0].content[0].text == "Weather in Paris?"
+    assert [i.id for i in newest.data] == [items[4].id, items[3].id] and newest.has_more
     assert first.usage and second.usage and third.usage
     assert first.usage.input_tokens < second.usage.input_tokens  # both declare the tool
 
@@ -239,6 +253,11 @@ async def test_get_delete_and_another_tenant(scripted: Scripted) -> None:
             await other.responses.retrieve(r.id)  # as if it did not exist
         with pytest.raises(openai.NotFoundError):
             await other.responses.delete(r.id)
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.input_items.list(r.id)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.responses.input_items.list(r.id, limit=500)
+        assert bad.value.body["param"] == "limit"
         with pytest.raises(openai.BadRequestError) as err:
             await other.responses.create(model="fake", input="More.", previous_response_id=r.id)
         assert err.value.body["param"] == "previous_response_id"
