@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decoding.client import EngineClient
 from decoding.errors import EngineError
-from gateway import protocol, serving
+from gateway import protocol, responses, serving
 from gateway.backends import Job
 from gateway.cache.seam import GatewayCache
 from gateway.errors import APIError, clip, error_response, to_api_error, unavailable
@@ -38,6 +38,8 @@ from gateway.local import LocalBackend
 from gateway.observability import Observability
 from gateway.observability.metrics import Metrics
 from gateway.observability.record import MAX_CLIENT_CHARS
+from gateway.response_store import response_store
+from gateway.responses_protocol import ResponsesRequest
 from gateway.routing import RoutingService
 from gateway.serving import GatewayState
 from gateway.settings import Settings
@@ -45,7 +47,7 @@ from router.breaker import CircuitBreaker
 
 log = logging.getLogger("specgate.gateway")
 
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # response headers a browser client may read (CORS): ours, Retry-After on 429/503, the rate limits'
 # levels, and x-should-retry (the OpenAI SDKs read it to leave a request too large for the tpm alone)
@@ -247,6 +249,7 @@ def openapi_document(metrics: bool = True) -> dict[str, Any]:
         protocol.ModelList,
         protocol.ModelCard,
         protocol.ErrorBody,
+        ResponsesRequest,
     ]
     _, schemas = models_json_schema(
         [(m, "validation") for m in models],  # type: ignore[misc]  # pydantic's stubs: ModelMetaclass vs type
@@ -288,6 +291,27 @@ def openapi_document(metrics: bool = True) -> dict[str, Any]:
                 "post": op("Chat completion", "ChatCompletionRequest", "ChatCompletion", True)
             },
             "/v1/completions": {"post": op("Legacy completion", "CompletionRequest", "Completion", True)},
+            "/v1/responses": {"post": _responses_op(op)},
+            "/v1/responses/{response_id}": {
+                "get": op("A stored response", None, "Response"),
+                "delete": op("Delete a stored response", None, "ResponseDeleted"),
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+            },
+            "/v1/responses/{response_id}/input_items": {
+                "get": op("The input items a stored response answered", None, "ResponseItemList"),
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+                    },
+                    {"name": "after", "in": "query", "schema": {"type": "string"}},
+                ],
+            },
             "/v1/models": {"get": op("List models", None, "ModelList")},
             "/v1/models/{model_id}": {
                 "get": op("One model", None, "ModelCard")
@@ -320,8 +344,55 @@ def openapi_document(metrics: bool = True) -> dict[str, Any]:
             if metrics
             else {}
         ),
-        "components": {"schemas": schemas.get("$defs", {})},
+        "components": {"schemas": schemas.get("$defs", {}) | RESPONSE_SCHEMAS},
     }
+
+
+# the Responses API's answers, built as dicts (gateway/response_events.py): their outline, for clients
+RESPONSE_SCHEMAS: dict[str, Any] = {
+    "Response": {
+        "type": "object",
+        "description": "OpenAI's response object (id resp_..., object 'response', status, output items, usage)",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response"},
+            "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+            "output": {"type": "array", "items": {"type": "object"}},
+        },
+        "required": ["id", "object", "status", "output"],
+    },
+    "ResponseItemList": {
+        "type": "object",
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": {"type": "object"}},
+            "first_id": {"type": ["string", "null"]},
+            "last_id": {"type": ["string", "null"]},
+            "has_more": {"type": "boolean"},
+        },
+        "required": ["object", "data", "first_id", "last_id", "has_more"],
+    },
+    "ResponseDeleted": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response.deleted"},
+            "deleted": {"const": True},
+        },
+        "required": ["id", "object", "deleted"],
+    },
+}
+
+
+def _responses_op(op: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    out = op("Create a response (OpenAI's Responses API)", "ResponsesRequest", "Response")
+    out["responses"]["200"]["content"]["text/event-stream"] = {
+        "schema": {
+            "type": "string",
+            "description": "typed events (event: <type>, data: {type, sequence_number, ...}); no [DONE]",
+        }
+    }
+    return out
 
 
 async def openapi(request: Request) -> Response:
@@ -401,6 +472,10 @@ def create_app(
         state.cache.model_sources = {u.model: f"{u.base_url} {u.model}" for u in settings.upstreams} | {
             m.name: m.source for m in settings.models
         }
+    # stored Responses API responses: in the cache's Redis where one is set
+    state.extra["responses"] = response_store(
+        settings.responses, settings.cache.redis_url, settings.cache.key_prefix
+    )
     if engine is not None:
         state.backend = LocalBackend(obs.observe_engine(engine), _default_max_tokens(settings))
 
@@ -422,10 +497,15 @@ def create_app(
         await state.limiter.aclose()
         if state.cache is not None:
             await state.cache.close()
+        await state.extra["responses"].close()
 
     routes = [
         Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
         Route("/v1/completions", serving.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -441,7 +521,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.server.cors_allow_origins,
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["*"],
             expose_headers=EXPOSED.split(", "),
         )

@@ -9,6 +9,7 @@ on every chunk but a final one whose ``choices`` is ``[]``.
 from __future__ import annotations
 
 import codecs
+import json
 import time
 import uuid
 from dataclasses import replace
@@ -128,6 +129,20 @@ class _Formatter:
     def details(self, gen: Generation) -> dict[str, int] | None:
         return None
 
+    # How serving ends what it sends (the Responses API's format ends otherwise: response_events.py)
+    async def settle(self, gen: Generation) -> None:
+        """Every delta arrived; called before ``closing`` or ``whole``. Nothing to do here."""
+
+    def closing(self, gen: Generation) -> list[Any]:
+        """A stream's last chunks: the usage chunk, with include_usage."""
+        return [self._chunk([], self.usage(gen))] if self.include_usage else []
+
+    def failure(self, error: dict[str, Any]) -> list[Any]:
+        """A fault after the 200: one ``{"error": ...}`` event."""
+        return [json.dumps(error)]
+
+    ending: tuple[Any, ...] = ("[DONE]",)  # after everything, a failure's event included
+
     def _chunk(self, choices: list[Any], usage: Usage | None = None) -> str:
         """One SSE event: the format's envelope (same id and created on every chunk) around choices."""
         return self._dump(
@@ -246,9 +261,6 @@ class ChatFormat(_Formatter):
             out.append(self._chunk([ChunkChoice(index=d.index, delta={}, finish_reason=d.finish_reason)]))
         return out
 
-    def usage_chunk(self, gen: Generation) -> str:
-        return self._chunk([], self.usage(gen))
-
     def whole(self, gen: Generation) -> dict[str, Any]:
         choices = [
             ChatChoice(
@@ -363,9 +375,6 @@ class CompletionFormat(_Formatter):
         if d.finish_reason is not None:
             out.append(self._chunk([CompletionChoice(text="", index=d.index, finish_reason=d.finish_reason)]))
         return out
-
-    def usage_chunk(self, gen: Generation) -> str:
-        return self._chunk([], self.usage(gen))
 
     def whole(self, gen: Generation) -> dict[str, Any]:
         self.carried = self.echo and not gen.prompt_texts

@@ -1,18 +1,20 @@
 """The inference handlers: body -> validated ``Job`` (gateway/jobs.py) -> route -> backend -> response.
 
+``serve`` is every inference route's one path; an endpoint brings its ``Parse`` (body -> job and
+answer format: chat and legacy completions here, the Responses API in gateway/responses.py).
 Everything that can refuse a request (body size, schema, limits, rate, unknown model, prompt
-length, overload) happens before a 200 goes out; after it, a fault becomes one SSE error event and
-``[DONE]``. ``state.router`` (gateway/routing.py) picks the backend and its fallbacks; ``state.cache``
-answers a request or stores its finished generation, streamed or not (gateway/backends.py).
+length, overload) happens before a 200 goes out; after it, a fault becomes the format's error event
+(chat's: one ``{"error"}`` event and ``[DONE]``). ``state.router`` (gateway/routing.py) picks the
+backend and its fallbacks; ``state.cache`` answers a request or stores its finished generation,
+streamed or not (gateway/backends.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from prometheus_client import CollectorRegistry
@@ -21,7 +23,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.backends import Backend, Delta, Generation, ServingCache
+from gateway.backends import Backend, Delta, Generation, Job, ServingCache
 from gateway.errors import (
     APIError,
     bad_request,
@@ -69,50 +71,102 @@ class GatewayState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class Format(Protocol):
+    """What serving needs of a response format (gateway/formatting.py's chat and completion
+    formats, gateway/response_events.py's Responses API one)."""
+
+    id: str
+    model: str
+    texts: list[str]
+    completion_tokens: int
+
+    def fold(self, d: Delta) -> None: ...
+
+    def opening(self, gen: Generation) -> list[Any]: ...
+
+    def chunks(self, d: Delta) -> list[Any]: ...
+
+    async def settle(self, gen: Generation) -> None: ...
+
+    def closing(self, gen: Generation) -> list[Any]: ...
+
+    def failure(self, error: dict[str, Any]) -> list[Any]: ...
+
+    @property
+    def ending(self) -> tuple[Any, ...]: ...
+
+    def whole(self, gen: Generation) -> dict[str, Any]: ...
+
+
+@dataclass
+class Parsed:
+    """A request body as the shared path serves it: the job, whether to stream, and its format."""
+
+    job: Job
+    stream: bool
+    format: Callable[[str], Format]  # the serving model's name -> the answer's format
+    # an error from the shared path in the endpoint's words (chat's "messages" is the Responses API's "input")
+    words: Callable[[APIError], APIError] = lambda error: error
+
+
+Parse = Callable[[Request, bytes, GatewayState], Awaitable[Parsed]]
+
+
 async def chat_completions(request: Request) -> Response:
-    return await _serve(request, ChatCompletionRequest, "messages")
+    return await serve(request, _parser(ChatCompletionRequest), "messages")
 
 
 async def completions(request: Request) -> Response:
-    return await _serve(request, CompletionRequest, "prompt")
+    return await serve(request, _parser(CompletionRequest), "prompt")
 
 
-async def _serve(
-    request: Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], prompt_param: str
-) -> Response:
+def _parser(schema: type[ChatCompletionRequest] | type[CompletionRequest]) -> Parse:
+    async def parse(request: Request, body: bytes, state: GatewayState) -> Parsed:
+        try:
+            req = schema.model_validate_json(body)
+        except ValidationError as exc:
+            raise to_api_error(exc) from exc
+        job = to_job(req, request.state.request_id, request.state.tenant, state.settings)
+
+        def fmt(served: str) -> Format:
+            if isinstance(req, ChatCompletionRequest):
+                return ChatFormat(
+                    served,
+                    req.include_usage,
+                    job.choices,
+                    prediction=job.prediction is not None,
+                    calls_only=job.calls_only,
+                    calls_tools=job.calls_tools,
+                )
+            return CompletionFormat(served, req.include_usage, job.choices, job.n, job.echo)
+
+        return Parsed(job, req.stream, fmt)
+
+    return parse
+
+
+async def serve(request: Request, parse: Parse, prompt_param: str) -> Response:
+    """One inference request through the shared path; ``parse`` turns the endpoint's body into a job."""
     state: GatewayState = request.app.state.gateway
     settings = state.settings
     retry = settings.limits.retry_after_s
     admitted = False
+    parsed: Parsed | None = None
     reserved = 0  # tokens of the key's tpm held for this request until it is settled
     try:
         headers = await state.limiter.admit(request.state.tenant) if state.limiter.enabled else {}
         admitted = state.limiter.enabled
         _json_content_type(request.headers.get("content-type"))
         body = await read_body(request, settings.limits.max_body_bytes)
-        try:
-            req = schema.model_validate_json(body)
-        except ValidationError as exc:
-            raise to_api_error(exc) from exc
-        job = to_job(req, request.state.request_id, request.state.tenant, settings)
+        parsed = await parse(request, body, state)
+        job = parsed.job
         observe_job(job)
         route = await state.router.route(job, state.backend)
         headers["x-specgate-route"] = route.label
         if state.limiter.tpm is not None:
             reserved = await _reserve(state.limiter, route, headers)
         # the response names the model that serves it (`auto` resolves to a real one), as OpenAI does
-        served = route.job.model
-        if isinstance(req, ChatCompletionRequest):
-            fmt: ChatFormat | CompletionFormat = ChatFormat(
-                served,
-                req.include_usage,
-                job.choices,
-                prediction=job.prediction is not None,
-                calls_only=job.calls_only,
-                calls_tools=job.calls_tools,
-            )
-        else:
-            fmt = CompletionFormat(served, req.include_usage, job.choices, job.n, job.echo)
+        fmt = parsed.format(route.job.model)
         note_response_id(fmt.id)
         cached = await state.cache.lookup(route.job, request.headers, body) if state.cache else None
         if cached is not None:
@@ -141,6 +195,8 @@ async def _serve(
                 cached = None
     except Exception as exc:
         error = to_api_error(exc, prompt_param, retry)
+        if parsed is not None:
+            error = parsed.words(error)
         state.limiter.charge_tokens(request.state.tenant, -reserved)  # nothing was generated
         # not served, through no fault of the client's: the gateway's failure (5xx), or an upstream
         # that turned it away (its 429 too; Route.start raises it as the APIError it becomes, from
@@ -158,9 +214,9 @@ async def _serve(
         if cached is not None:
             cached.store(fmt, gen)
 
-    if req.stream:
+    if parsed.stream:
         return EventSourceResponse(
-            _events(gen, fmt, req.include_usage, charge, finished, state.cut, retry),
+            _events(gen, fmt, charge, finished, state.cut, retry),
             sep="\n",
             ping=settings.server.sse_ping_s,
             headers=headers | {"Cache-Control": "no-cache"},
@@ -203,12 +259,13 @@ def _json_content_type(header: str | None) -> None:
     )
 
 
-async def _collect(gen: Generation, fmt: ChatFormat | CompletionFormat) -> dict[str, Any]:
+async def _collect(gen: Generation, fmt: Format) -> dict[str, Any]:
     try:
         async for delta in gen:
             fmt.fold(delta)
     finally:
         await gen.aclose()
+    await fmt.settle(gen)
     return fmt.whole(gen)
 
 
@@ -281,8 +338,7 @@ async def _disconnect(request: Request) -> None:
 
 async def _events(
     gen: Generation,
-    fmt: ChatFormat | CompletionFormat,
-    include_usage: bool,
+    fmt: Format,
     done: Callable[[], None],
     finished: Callable[[], None] = lambda: None,
     cut: asyncio.Event | None = None,
@@ -296,12 +352,14 @@ async def _events(
             for data in fmt.chunks(delta):
                 yield data
         finished()  # not reached on a fault or a disconnect (the task is cancelled at a yield)
-        if include_usage:
-            yield fmt.usage_chunk(gen)
-    except Exception as exc:  # after the 200: one error event, then [DONE]
+        await fmt.settle(gen)
+        for data in fmt.closing(gen):
+            yield data
+    except Exception as exc:  # after the 200: the format's error event (chat's: then [DONE])
         event = error_event(exc)
         note_stream_error(event)  # a failure the 200 hides, for the span, the log line and metrics
-        yield json.dumps(event)
+        for data in fmt.failure(event):
+            yield data
     finally:
         # shielded: on a disconnect sse-starlette cancels this body's task group, and anyio then
         # cancels again at every await, so a close that waits (the local backend gathering its
@@ -314,4 +372,5 @@ async def _events(
                 await gen.aclose()
             finally:
                 done()
-    yield "[DONE]"
+    for data in fmt.ending:
+        yield data

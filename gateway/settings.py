@@ -125,6 +125,15 @@ def default_models() -> list[ModelSettings]:
     ]
 
 
+class ResponsesSettings(_Section):
+    """The Responses API's stored responses (gateway/response_store.py): in cache.redis_url's Redis
+    when one is set, else in process."""
+
+    ttl_s: int = Field(default=86400, ge=1)  # how long a stored response can be read or continued
+    max_entries: int = Field(default=1024, ge=1)  # in process (no Redis): oldest dropped past this
+    timeout_ms: float = Field(default=1000.0, gt=0)  # each Redis call's bound; past it a 503
+
+
 class Settings(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     models: list[ModelSettings] = Field(default_factory=default_models, min_length=1)
@@ -135,6 +144,7 @@ class Settings(_Section):
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:

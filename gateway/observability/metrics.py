@@ -55,6 +55,9 @@ ROUTES = frozenset(
     {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
+        "/v1/responses/{id}",
+        "/v1/responses/{id}/input_items",
         "/v1/models",
         "/v1/models/{id}",
         "/health",
@@ -76,6 +79,8 @@ def route_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}/input_items" if path.endswith("/input_items") else "/v1/responses/{id}"
     return OTHER
 
 

@@ -39,6 +39,7 @@ class ScriptedEngine:
     fail: str | None = None
     delay: float = 0.0
     overloaded: int = 0  # the first this many submits are refused as the real engine's full queue is
+    finish: FinishReason = FinishReason.LENGTH  # how the last step ends (STOP: as at an end-of-turn token)
     requests: list[GenerationRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class ScriptedEngine:
                 if request.params.logprobs is None
                 else [TokenLogprob(t, -1.0, ()) for t in ids],
                 prompt_logprobs=_scored(request) if i == 0 else None,
-                finish_reason=FinishReason.LENGTH if last else None,
+                finish_reason=self.finish if last else None,
                 stats=stats if last else None,
             )
 

@@ -39,7 +39,7 @@ async def one_delta_then_nothing() -> AsyncIterator[Delta]:
 async def test_a_stream_cut_by_its_client_still_closes_and_is_charged() -> None:
     gen = SlowClosing(prompt_tokens=3, deltas=one_delta_then_nothing())
     charged: list[bool] = []
-    events = _events(gen, ChatFormat("m", False, 1), False, lambda: charged.append(True), cut=asyncio.Event())
+    events = _events(gen, ChatFormat("m", False, 1), lambda: charged.append(True), cut=asyncio.Event())
     sent: list[str] = []
     first_chunk = asyncio.Event()
 

@@ -86,6 +86,8 @@ def test_labels_stay_bounded() -> None:
     text = m.render().decode()
     assert "junk-9" not in text and "/probe/" not in text
     assert route_label("/v1/chat/completions") == "/v1/chat/completions"
+    assert route_label("/v1/responses") == "/v1/responses"
+    assert route_label("/v1/responses/resp_0123") == "/v1/responses/{id}"  # never an id as a label
 
 
 def test_cache_router_upstream_and_circuit() -> None:
