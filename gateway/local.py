@@ -102,9 +102,7 @@ class LocalBackend:
                 out.append((list(p), tok.decode(p, skip_special_tokens=True)))
         return out
 
-    def _build(
-        self, job: Job, tok: Tokenizer
-    ) -> tuple[list[tuple[list[int], str]], list[GenerationRequest]]:
+    def _build(self, job: Job, tok: Tokenizer) -> tuple[list[tuple[list[int], str]], list[GenerationRequest]]:
         prompts = self._prompts(job, tok)
         return prompts, self._requests(job, prompts)
 
