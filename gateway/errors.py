@@ -96,6 +96,9 @@ def _reported(errors: list[Any]) -> Any:
 def from_validation(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
     first = _reported(errors)
+    if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
+        # valid JSON, past the depth pydantic's parser recurses to (200 levels)
+        return bad_request("The JSON body is nested too deeply: at most 200 levels are read.")
     if first["type"] == "json_invalid":
         return bad_request(
             "We could not parse the JSON body of your request. (HINT: This likely means you aren't using "

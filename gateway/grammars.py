@@ -14,21 +14,38 @@ from decoding.params import JSON_LAYOUT, GrammarSpec
 from gateway.tools import CLOSE, OPEN
 
 
-def _call_schema(tool: dict[str, Any], strict_only: bool = False) -> dict[str, Any]:
-    """A call of ``tool`` as JSON; ``strict_only``: its arguments any object unless the function
-    is ``strict``."""
+def _call_schema(tool: dict[str, Any], strict_only: bool = False, at: str = "") -> dict[str, Any]:
+    """A call of ``tool`` as JSON, the call schema lying at JSON pointer ``at`` in the grammar's;
+    ``strict_only``: its arguments any object unless the function is ``strict``."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
     if strict_only and not fn.get("strict"):
         params = {"type": "object"}
     elif "type" not in params:  # {"properties": ...} alone admits any value; arguments are an object
         params = {**params, "type": "object"}
+    params = _rebase_refs(params, f"{at}/properties/arguments")
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, "arguments": params},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _rebase_refs(schema: Any, at: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#/$defs/X``, as pydantic writes them) pointing into it
+    where it now lies, at JSON pointer ``at`` of the call schema: they named the parameters' root,
+    which inside a call is the call's, and such a tool was refused as a pointer that does not exist."""
+    if isinstance(schema, dict):
+        return {
+            k: f"#{at}{v[1:]}"
+            if k == "$ref" and isinstance(v, str) and v.startswith("#")
+            else _rebase_refs(v, at)
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebase_refs(v, at) for v in schema]
+    return schema
 
 
 def tool_grammar(tools: list[dict[str, Any]], parallel: bool, text: bool = False) -> str:
@@ -45,7 +62,9 @@ def tool_grammar(tools: list[dict[str, Any]], parallel: bool, text: bool = False
     tiny test models' byte tokenizer), a call must come first, as the text lexeme does not give way
     to the tag mid-text."""
     schema: dict[str, Any] = (
-        {"anyOf": [_call_schema(t, text) for t in tools]} if len(tools) > 1 else _call_schema(tools[0], text)
+        {"anyOf": [_call_schema(t, text, f"/anyOf/{i}") for i, t in enumerate(tools)]}
+        if len(tools) > 1
+        else _call_schema(tools[0], text)
     )
     schema["x-guidance"] = JSON_LAYOUT
     more = ' ("\\n" call)* "\\n"?' if parallel else ""

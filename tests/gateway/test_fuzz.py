@@ -173,3 +173,116 @@ def test_fuzz_the_openapi_schema(fuzzed: Server) -> None:
     assert seen.get(200, 0) > EXAMPLES // 10, seen  # the narrowing lets a share reach generation
     assert "Exception in ASGI application" not in fuzzed.output()
     assert "unhandled error" not in fuzzed.output()
+
+
+# Adversarial grammars (issue 48): deep and recursive JSON schemas, long $defs and Lark rule chains,
+# empty and explosive regexes, through every field that takes one. Each must get a 200 or an OpenAI
+# 4xx, and the server must live through all of them (a grammar once segfaulted it).
+GRAMMAR_EXAMPLES = int(os.environ.get("SPECGATE_FUZZ_GRAMMARS", "40"))
+
+
+def _chain(n: int, link: str) -> dict[str, Any]:
+    def step(i: int) -> dict[str, Any]:
+        ref = {"$ref": f"#/$defs/d{i + 1}"}
+        return {
+            "object": {"type": "object", "properties": {"a": ref}, "required": ["a"]},
+            "array": {"type": "array", "items": ref, "maxItems": 2},
+            "anyOf": {"anyOf": [ref, {"type": "null"}]},
+            "allOf": {"allOf": [ref]},
+        }[link]
+
+    defs = {f"d{i}": step(i) for i in range(n)}
+    defs[f"d{n}"] = {"type": "string", "maxLength": 3}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+_leaf = st.sampled_from(
+    [{"type": "string", "maxLength": 4}, {"type": "integer"}, {"enum": ["a", "b"]}, {"$ref": "#"}, {}]
+)
+_recursive_schemas = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.builds(
+            lambda p: {"type": "object", "properties": p}, st.dictionaries(st.sampled_from("abc"), inner)
+        ),
+        st.builds(lambda i: {"type": "array", "items": i, "maxItems": 3}, inner),
+        st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, min_size=1, max_size=3)),
+    ),
+    max_leaves=30,
+)
+_schemas = st.one_of(
+    st.builds(_chain, st.integers(1, 3000), st.sampled_from(["object", "array", "anyOf", "allOf"])),
+    _recursive_schemas,
+    st.builds(
+        lambda n: {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}},
+        st.integers(1, 3000),
+    ),
+)
+
+
+def _lark(n: int, shape: str) -> str:
+    rule = {"right": 'r{i}: "a" r{j}', "left": 'r{i}: r{j} "a"', "nest": 'r{i}: "(" r{j} ")" | "x"'}[shape]
+    return "start: r0\n" + "".join(rule.format(i=i, j=i + 1) + "\n" for i in range(n)) + f'r{n}: "b"\n'
+
+
+_grammars = st.builds(_lark, st.integers(1, 8000), st.sampled_from(["right", "left", "nest"]))
+_regexes = st.one_of(
+    st.sampled_from(
+        [r"[^\s\S]", r"a[^\s\S]", r"[a-z]{2}[^\s\S]", "(a{1,200}){1,200}", "(" * 3000 + "a" + ")" * 3000]
+    ),
+    st.from_regex(r"[a-c()|*+?\[\]^\\sS{}0-9,]{1,24}", fullmatch=True),
+)
+
+
+def _grammar_body(field: str, schema: dict[str, Any], lark: str, regex: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    if field == "response_format":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    elif field == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        body["tool_choice"] = "required"
+    elif field == "guided_json":
+        body["guided_json"] = schema
+    elif field == "guided_grammar":
+        body["guided_grammar"] = lark
+    else:
+        body["guided_regex"] = regex
+    return body
+
+
+def test_fuzz_adversarial_grammars(fuzzed: Server) -> None:
+    session = requests.Session()
+    seen: dict[int, int] = {}
+
+    @hypothesis.settings(
+        max_examples=GRAMMAR_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize="SPECGATE_FUZZ_GRAMMARS" not in os.environ,
+        suppress_health_check=list(hypothesis.HealthCheck),
+        phases=[hypothesis.Phase.generate],
+    )
+    @hypothesis.given(
+        field=st.sampled_from(["response_format", "tools", "guided_json", "guided_grammar", "guided_regex"]),
+        schema=_schemas,
+        lark=_grammars,
+        regex=_regexes,
+        stream=st.booleans(),
+    )
+    def run(field: str, schema: dict[str, Any], lark: str, regex: str, stream: bool) -> None:
+        body = {**_grammar_body(field, schema, lark, regex), "stream": stream}
+        response = session.post(fuzzed.url + "/v1/chat/completions", json=body, timeout=120)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        assert fuzzed.proc.poll() is None, f"the server died on {field}: {fuzzed.output()[-2000:]}"
+        what = f"{field} {json.dumps(body)[:300]}"
+        assert response.status_code in (200, 400, 413), (
+            f"{response.status_code} for {what}: {response.text[:300]}"
+        )
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"], what
+
+    run()
+    assert seen.get(200, 0) and seen.get(400, 0), seen  # both reached: generation, and refusals
+    assert httpx.get(fuzzed.url + "/health", timeout=10).status_code == 200
+    assert "Exception in ASGI application" not in fuzzed.output()
