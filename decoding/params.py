@@ -128,6 +128,8 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # output constrained to this grammar (structured outputs, tools)
     # Predicted Outputs: the expected completion as token ids; drafts come from it (lossless)
     prediction: tuple[int, ...] | None = None
+    # vLLM's cache_salt: a prompt prefix is reused only from requests that gave the same salt
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         for token, bias in self.logit_bias:
@@ -148,6 +150,7 @@ class RequestStats:
     i-th drafted token was accepted; ``drafted_by_position[i]`` steps that drafted an i-th token."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, reused from a request before (prefix caching), not computed
     completion_tokens: int = 0
     steps: int = 0  # target forward passes after prefill (verifications and plain steps)
     spec_steps: int = 0

@@ -72,6 +72,9 @@ class ModelSettings(_Section):
     # exact mode on a GPU also batch-invariant (a request's tokens do not depend on what else is in the
     # batch), at a cost in throughput (decoding.loader.ModelSpec.batch_invariant)
     batch_invariant: bool = False
+    # llama.cpp: a finished request's KV stays in its slot for the next request sharing its prompt's
+    # prefix (decoding.prefix; docs/architecture.md, Prefix caching); false: every prompt prefilled whole
+    prefix_caching: bool = True
 
 
 class AuthSettings(_Section):
