@@ -472,6 +472,7 @@ class Engine:
             stats=seq.stats if a.finish else None,
             error=str(a.error) if a.error is not None else None,
             error_param=a.error.param if a.error is not None else None,
+            cached_tokens=seq.stats.cached_tokens,
         )
 
     def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:

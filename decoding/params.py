@@ -227,6 +227,7 @@ class StepOutput:
     stats: RequestStats | None = None  # set on the final output
     error: str | None = None  # set with finish_reason ERROR
     error_param: str | None = None  # with error: the request parameter at fault (its grammar's), if any
+    cached_tokens: int = 0  # RequestStats.cached_tokens, on every output (a client may leave early)
 
 
 @dataclass(frozen=True)

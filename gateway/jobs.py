@@ -126,6 +126,7 @@ def to_job(
         min_p=req.min_p,
         repetition_penalty=req.repetition_penalty,
         frequency_penalty=req.frequency_penalty,
+        cache_salt=req.cache_salt,
         spec=spec,
         granularity=req.stream_granularity or settings.stream_granularity,
         tenant=tenant,
