@@ -71,3 +71,20 @@ async def test_cache_salt_reaches_the_engine_and_an_empty_one_is_refused() -> No
         bad = await c.post("/v1/completions", json={"model": "fake", "prompt": "x", "cache_salt": ""})
     assert ok.status_code == 200 and engine.requests[-1].cache_salt == "tenant-7"
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+async def test_per_key_prefix_caching_salts_each_tenants_requests_apart() -> None:
+    engine = ScriptedEngine([token_ids("ab")])
+    overrides = {
+        "cache": {"enabled": False},
+        "auth": {"api_keys": ["ka", "kb"], "prefix_cache_per_key": True},
+    }
+    app = create_app(load_settings(overrides=overrides, env={}), engine=engine)  # type: ignore[arg-type]
+    salts = []
+    async with client(app) as c:
+        for key, salt in (("ka", None), ("kb", None), ("ka", None), ("ka", "s")):
+            body = {"model": "fake", "prompt": "x", **({"cache_salt": salt} if salt else {})}
+            r = await c.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+            salts.append(engine.requests[-1].cache_salt)
+    assert None not in salts and salts[0] == salts[2] and len({salts[0], salts[1], salts[3]}) == 3
