@@ -96,11 +96,11 @@ class Engine:
         """The prompt's prefix that the target's KV (and the draft's) kept from a request before
         (decoding/prefix.py): only what recomputes to the same bits for the target; for the draft
         all it shares, but where seeded sampling draws from its probabilities. A scored prompt
-        (prompt_logprobs) computes every position."""
+        (prompt_logprobs) computes every position: it keeps nothing, and its slot is still
+        labelled with its salt."""
         request = seq.request
-        if request.params.prompt_logprobs is not None:
-            return
-        prompt, salt = request.prompt_token_ids, request.cache_salt
+        scored = request.params.prompt_logprobs is not None
+        prompt, salt = [] if scored else request.prompt_token_ids, request.cache_salt
         seq.stats.cached_tokens = seq.runner.reuse(prompt, True, salt, self.chunk_tokens)
         if isinstance(seq.drafter, DraftModelDrafter):
             seeded = request.params.seed is not None and not request.params.greedy

@@ -221,7 +221,8 @@ class LlamaCppModel:
         return len(self.cache)
 
     def acquire(self) -> int:
-        """The least recently used free slot; its KV is cut where its runner first writes."""
+        """The least recently used free slot, as it is: ``adopt`` chooses again with the prompt, and
+        a runner's first write cuts its KV at the runner's length."""
         return self.cache.take().slot
 
     def release(self, slot: int) -> None:

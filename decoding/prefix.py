@@ -48,7 +48,7 @@ class Take(NamedTuple):
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
+    n = max(0, min(len(a), len(b), limit))
     for i in range(n):
         if a[i] != b[i]:
             return i
@@ -92,10 +92,12 @@ class SlotCache:
         salt: str | None = None,
         mine: int | None = None,
     ) -> Take:
-        """A free slot for a request whose prompt is ``tokens`` (None: any, the least recently used)
-        and the prefix it keeps. ``unit``: the width of the prefill pieces its runner computes;
-        ``mine``: the slot the caller owns now, given back (in its old place in the LRU order) to be
-        chosen among the free ones."""
+        """A free slot for a request whose prompt is ``tokens`` and the prefix it keeps; the slot
+        now holds that prefix under ``salt`` and ``unit``, the width of the prefill pieces its runner
+        computes. ``tokens`` None: the least recently used slot, reserved as it is (its record
+        stays until it is written over; ``take`` with the prompt then chooses again); [] keeps
+        nothing. ``mine``: the slot the caller owns now, given back (in its old place in the LRU
+        order) to be chosen among the free ones."""
         with self._lock:
             if mine is not None:
                 self._free.add(mine)
@@ -103,7 +105,8 @@ class SlotCache:
                 raise NoFreeSlot
             lru = min(self._free, key=lambda s: self.held[s].used)
             if tokens is None:
-                return self._own(Take(lru, 0), unit, salt)
+                self._free.discard(lru)
+                return Take(lru, 0)
 
             def offer(s: int) -> int:
                 return self.reusable(s, tokens, unit, strict, salt)

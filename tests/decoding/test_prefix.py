@@ -6,6 +6,7 @@ under random joins and aborts while slots are reused."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -21,7 +22,7 @@ from decoding.sequence import LoadedModel
 def _filled(cache: SlotCache, tokens: list[int], unit: int = 4) -> int:
     """A cold request for ``tokens`` as it leaves its slot: its prompt prefilled alone in
     pieces of ``unit`` (the last one partial), the slot given back; which slot it was."""
-    take = cache.take(None, unit)  # the least recently used slot, as a cold request's
+    take = cache.take([], unit)  # keeping nothing: the least recently used slot, as a cold request's
     for at in range(0, len(tokens), unit):
         cache.wrote(take.slot, at, tokens[at : at + unit], alone=True)
     cache.give_back(take.slot)
@@ -52,6 +53,14 @@ def test_loose_reuse_takes_every_shared_token_and_other_grids_none():
     assert cache.take([*list(range(7)), 50, 51], 4, strict=False).reuse == 7
     cache.give_back(0)
     assert cache.take(list(range(12)), 8).reuse == 0  # its pieces were of 4, not 8
+
+
+def test_a_slot_taken_without_a_prompt_keeps_its_record_until_the_prompt_chooses():
+    cache = SlotCache(2)
+    a = _filled(cache, list(range(12)))
+    _filled(cache, [50] * 12)
+    assert cache.take().slot == a  # the least recently used, reserved as it is
+    assert cache.take(list(range(14)), 4, mine=a) == (a, 12, None)  # its own conversation's, still held
 
 
 def test_without_a_useful_prefix_the_least_recently_used_slot_goes():
@@ -301,3 +310,23 @@ def test_random_joins_and_aborts_while_slots_are_reused_keep_every_output_cold(t
         if req.spec.mode != SpecMode.OFF:
             result, alone = [t for t, _ in result], [t for t, _ in alone]
         assert result == alone, req.request_id
+
+
+@needs_llamacpp
+def test_salted_and_scored_prompts_reuse_only_what_their_salt_left(tiny_models, ggufs):
+    """A salted request's slot is labelled with its salt, a scored one's (prompt_logprobs) too, though
+    it keeps nothing: an unsalted request, or one of another salt, reuses none of it."""
+    engine = _engine(tiny_models, ggufs, True, slots=1)
+    ids = list(range(3, 203))
+
+    def cached(salt: str | None, scored: bool = False) -> int:
+        req = _request("r", ids, "off", n=2)
+        params = replace(req.params, prompt_logprobs=1 if scored else None)
+        return _one(engine, replace(req, params=params, cache_salt=salt))[1]
+
+    assert cached("a") == 0
+    assert cached("a") == 192
+    assert (cached(None), cached("b")) == (0, 0)
+    assert cached("b") == 192
+    assert cached("a", scored=True) == 0  # scored: computes every position, and the slot is now a's
+    assert (cached("b"), cached("b")) == (0, 192)
