@@ -234,10 +234,10 @@ class LlamaCppModel:
         """For a runner owning ``slot`` whose sequence starts with ``tokens``: the slot it should
         own instead (``SlotCache.take``) and the positions its KV keeps; a prefix another slot holds
         is copied over first (between streams llama.cpp copies a whole stream, on the next decode)."""
-        take = self.cache.take(tokens if self.prefix_cache else None, unit, strict, salt, mine=slot)
+        take = self.cache.take(tokens if self.prefix_cache else [], unit, strict, salt, mine=slot)
         if take.source is not None:
             self.lib.llama_memory_seq_cp(self.mem, take.source, take.slot, -1, -1)
-        self.lib.llama_memory_seq_rm(self.mem, take.slot, take.reuse, -1)
+        self.cut(take.slot, take.reuse)
         return take.slot, take.reuse
 
     def runner(self, _model: object = None, exact: bool = True) -> LlamaCppRunner:
