@@ -135,13 +135,11 @@ class SlotCache:
         self.held[take.slot] = Held(src.tokens[: take.reuse], exact, unit, salt, self.held[take.slot].used)
         return take
 
-    def give_back(self, slot: int, recent: bool = True) -> None:
-        """``slot`` is free, its KV kept; ``recent``: it counts as used now (else it keeps its place
-        in the least-recently-used order: a slot taken and given straight back)."""
+    def give_back(self, slot: int) -> None:
+        """``slot`` is free, its KV kept, and counts as used now (least recently used goes first)."""
         with self._lock:
-            if recent:
-                self._tick += 1
-                self.held[slot].used = self._tick
+            self._tick += 1
+            self.held[slot].used = self._tick
             self._free.add(slot)
 
     def wrote(self, slot: int, start: int, tokens: list[int], alone: bool) -> None:

@@ -88,3 +88,24 @@ async def test_per_key_prefix_caching_salts_each_tenants_requests_apart() -> Non
             assert r.status_code == 200
             salts.append(engine.requests[-1].cache_salt)
     assert None not in salts and salts[0] == salts[2] and len({salts[0], salts[1], salts[3]}) == 3
+
+
+async def test_an_upstreams_cached_tokens_are_passed_through_and_its_salt_sent() -> None:
+    from gateway.backends import Job
+    from gateway.formatting import ChatFormat
+    from gateway.remote import _body
+    from tests.gateway.test_remote import read
+
+    job = Job(request_id="r", kind="chat", model="m", messages=MSGS, cache_salt="s1")
+    assert _body(job)["cache_salt"] == "s1"
+    usage = {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+             "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
+    events = [
+        {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "length"}]},
+        {"choices": [], "usage": usage},
+    ]
+    gen, deltas = await read(job, events)
+    fmt = ChatFormat("m", False, 1)
+    for d in deltas:
+        fmt.fold(d)
+    assert fmt.whole(gen)["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
