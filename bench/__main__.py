@@ -9,7 +9,8 @@ section of docs/benchmarks.md (and its plot).
     on the real pair (``bench.cpu_engine``) the draft-confidence sweep (``bench.cpu_confidence``) and the batched engine
     (``bench.cpu_batch``);
     with the llamacpp extra installed, specgate on llama.cpp against llama.cpp's own server
-    (``bench.cpu_llamacpp``).
+    (``bench.cpu_llamacpp``) and prefix caching across a multi-turn agent conversation
+    (``bench.cpu_prefix``).
 
     python -m bench [--quick]
 """
@@ -65,6 +66,10 @@ def main() -> None:
 
             cpu_llamacpp.main([])
             ran.append("cpu-llamacpp")
+            from bench import cpu_prefix
+
+            cpu_prefix.main([])
+            ran.append("cpu-prefix")
         else:
             print(f"llama-cpp-python not installed ({llamacpp.EXTRA_HINT}): llama.cpp benchmark skipped")
     else:

@@ -91,10 +91,25 @@ class Engine:
             runner.release()
             raise
         seq = admission.new_sequence(self.models, target, request, runner, drafter)
+        self._reuse_prefix(seq)
         if drafter is not None:
             self._population(seq).seed(seq.controller)
             seq.controller.seed(*_step_tables(seq))
         return seq
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """The prompt's prefix that the target's KV (and the draft's) kept from a request before
+        (decoding/prefix.py): only what recomputes to the same bits for the target; for the draft
+        all it shares, but where seeded sampling draws from its probabilities. A scored prompt
+        (prompt_logprobs) computes every position: it keeps nothing, and its slot is still
+        labelled with its salt."""
+        request = seq.request
+        scored = request.params.prompt_logprobs is not None
+        prompt, salt = [] if scored else request.prompt_token_ids, request.cache_salt
+        seq.stats.cached_tokens = seq.runner.reuse(prompt, True, salt, self.chunk_tokens)
+        if isinstance(seq.drafter, DraftModelDrafter):
+            seeded = request.params.seed is not None and not request.params.greedy
+            seq.drafter.runner.reuse(prompt, seeded, salt)
 
     def _drafter(self, target: LoadedModel, request: GenerationRequest) -> Drafter | None:
         """The request's drafter (a method, so that benchmarks can wrap it)."""
@@ -170,7 +185,7 @@ class Engine:
             # the controller's per-token slope: this sequence's share of a step that others share
             s.prefill_cost += elapsed * n / step_tokens if step_tokens else 0.0
             if s.runner.length == len(s.tokens) - 1 and id(s) not in later:
-                s.controller.observe_prefill(len(s.tokens) - 1, s.prefill_cost)
+                s.controller.observe_prefill(len(s.tokens) - 1 - s.stats.cached_tokens, s.prefill_cost)
                 s.prefilled = True  # the draft prefills lazily, at its first proposal (if any)
 
     def launch_step(
@@ -462,6 +477,7 @@ class Engine:
             stats=seq.stats if a.finish else None,
             error=str(a.error) if a.error is not None else None,
             error_param=a.error.param if a.error is not None else None,
+            cached_tokens=seq.stats.cached_tokens,
         )
 
     def generate(self, request: GenerationRequest) -> tuple[list[int], RequestStats, FinishReason]:

@@ -9,7 +9,8 @@ Q4_K_M files), through llama-cpp-python's low-level API (the ``llamacpp`` extra)
 
 The engine keeps drafting, verification, routing and streaming; llama.cpp only computes logits, at
 every position a step asks for. Cutting back is ``llama_memory_seq_rm`` of the positions past the
-committed length.
+committed length. A finished request's slot keeps its KV for the next request that shares its
+prefix (``decoding.prefix.SlotCache``, ``LlamaCppRunner.reuse``).
 
 Exact mode (target runners; docs/architecture.md, "The llama.cpp backend", has the measurements):
 llama.cpp's CPU kernels round a token's logits differently depending on how it was batched, so
@@ -47,7 +48,8 @@ import torch
 
 from decoding import store
 from decoding.errors import ModelLoadError
-from decoding.runner import FreeSlots, PooledSlots, Row, SlotRunner, Tokens
+from decoding.prefix import SlotCache
+from decoding.runner import Row, SlotRunner, Tokens
 
 log = logging.getLogger("specgate.llamacpp")
 
@@ -142,7 +144,7 @@ def cpu_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class LlamaCppModel(PooledSlots):
+class LlamaCppModel:
     """One GGUF in a llama context with ``slots`` KV sequences of up to ``max_len`` tokens each."""
 
     def __init__(
@@ -156,6 +158,7 @@ class LlamaCppModel(PooledSlots):
         unified_kv: bool = False,
         n_batch: int = 512,
         kv_type: str = "q8_0",
+        prefix_cache: bool = True,
         amx_checked: bool = False,  # the AMX self-test's own child: take the kernels as they are
     ):
         lib = self.lib = _lib()
@@ -208,13 +211,34 @@ class LlamaCppModel(PooledSlots):
         self.device = torch.device("cpu")
         self.max_graph_tokens = 16  # drafters feed rows up to this wide through forward_batch
         self._pending: dict[int, int] = {}  # slot -> real tokens of its next forward_batch row
-        self._free = FreeSlots(slots)
+        self.cache = SlotCache(slots)  # what each slot's KV holds, kept across requests
+        self.prefix_cache = prefix_cache  # False: every request prefills its whole prompt
 
-    # ---- slots (free_slots and acquire: PooledSlots) ------------------------------------------
+    # ---- slots: a prefix cache across requests (decoding.prefix) -------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self.cache)
+
+    def acquire(self) -> int:
+        """The least recently used free slot, as it is: ``adopt`` chooses again with the prompt, and
+        a runner's first write cuts its KV at the runner's length."""
+        return self.cache.take().slot
 
     def release(self, slot: int) -> None:
-        self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)  # the slot's KV, before another takes it
-        super().release(slot)
+        self.cache.give_back(slot)  # its KV stays, for a later request sharing its prefix
+
+    def adopt(
+        self, slot: int, tokens: list[int], unit: int | None, strict: bool, salt: str | None
+    ) -> tuple[int, int]:
+        """For a runner owning ``slot`` whose sequence starts with ``tokens``: the slot it should
+        own instead (``SlotCache.take``) and the positions its KV keeps; a prefix another slot holds
+        is copied over first (between streams llama.cpp copies a whole stream, on the next decode)."""
+        take = self.cache.take(tokens if self.prefix_cache else [], unit, strict, salt, mine=slot)
+        if take.source is not None:
+            self.lib.llama_memory_seq_cp(self.mem, take.source, take.slot, -1, -1)
+        self.cut(take.slot, take.reuse)
+        return take.slot, take.reuse
 
     def runner(self, _model: object = None, exact: bool = True) -> LlamaCppRunner:
         """The engine's runner factory (the argument is the model stand-in, already known here)."""
@@ -227,6 +251,7 @@ class LlamaCppModel(PooledSlots):
     def cut(self, slot: int, length: int) -> None:
         """Forget the positions of ``slot`` from ``length`` on."""
         self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
+        self.cache.cut(slot, length)
 
     # ---- the forward pass ---------------------------------------------------------------------
 
@@ -302,8 +327,16 @@ class LlamaCppModel(PooledSlots):
                     wanted.append(i)
             batch.n_tokens = len(chunk)
             rc = lib.llama_decode(self.ctx, batch)
+            wrote: dict[int, tuple[int, list[int]]] = {}  # slot -> (first position, tokens)
+            for tok, pos, slot, _ in chunk:
+                wrote.setdefault(slot, (pos, []))[1].append(tok)
             if rc != 0:
+                for slot in wrote:  # what it left in the KV is unknown: no later request reuses it
+                    lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
+                    self.cache.forget(slot)
                 raise RuntimeError(f"llama_decode returned {rc} for {len(chunk)} tokens")
+            for slot, (pos, toks) in wrote.items():
+                self.cache.wrote(slot, pos, toks, alone=len(wrote) == 1)
             # by batch index: llama.cpp computes a multi-sequence batch in its own order (equal splits
             # per sequence) and maps each batch position to its output row here
             for i in wanted:
@@ -328,6 +361,16 @@ class LlamaCppRunner(SlotRunner[LlamaCppModel]):
     def __init__(self, model: LlamaCppModel, slot: int, exact: bool = True):
         super().__init__(model, slot, exact)
         self.prefill_chunk = model.n_batch
+
+    def reuse(self, tokens: list[int], exact: bool, salt: str | None = None, chunk: int | None = None) -> int:
+        """Before its first step: move to the slot holding the longest reusable prefix of
+        ``tokens`` and keep it; the tokens kept (decoding.prefix). ``exact``: only whole prefill
+        pieces of the grid a cold prefill would cut (``chunk`` tokens, None: one piece per
+        ``prefill_chunk``), so the KV is the same bits; else the whole common prefix."""
+        assert self._length == 0, "a prefix is reused before the sequence's first step"
+        unit = piece(chunk, self.m.n_batch)
+        self.slot, self._length = self.m.adopt(self.slot, tokens, unit, exact, salt)
+        return self._length
 
     @property
     def max_step_tokens(self) -> int | None:
@@ -355,6 +398,15 @@ class LlamaCppRunner(SlotRunner[LlamaCppModel]):
         if length < self._length:  # llama.cpp attends to whatever its cache holds: forget the rest
             self.m.cut(self.slot, length)
         super().crop(length)
+
+
+def piece(chunk: int | None, n_batch: int) -> int | None:
+    """The width of the pieces a prompt is decoded in, at positions on a multiple of it: the
+    engine's chunks, each split by ``_decode`` at ``n_batch`` tokens (None: a grid of no one width)."""
+    c = chunk or n_batch
+    if c <= n_batch:
+        return c
+    return n_batch if c % n_batch == 0 else None
 
 
 class _Weight:

@@ -60,6 +60,8 @@ class ModelSpec:
     # exact mode on CUDA also batch-invariant: a row's bits do not depend on the rest of the batch
     # (decoding/invariant.py; docs/architecture.md, Exact mode), at a measured cost in throughput
     batch_invariant: bool = False
+    # llama.cpp: slots keep their KV across requests for prompts sharing a prefix (decoding.prefix)
+    prefix_caching: bool = True
 
 
 BACKENDS = ("auto", "eager", "static", "cuda_graphs", "compile", "tensorrt", "llamacpp")
@@ -248,7 +250,8 @@ def load_llamacpp(spec: ModelSpec, pull: bool = True) -> LoadedModel:
     # batched freely: a long prompt prefills faster (2,048 tokens in 43 against 60 s on an AVX2-only
     # EPYC, docs/benchmarks.md), and speculation is target-only's up to rounding ties
     exact = spec.exact is not False
-    llama = LlamaCppModel(path, max_len=max_context, slots=spec.slots, kv_type="q8_0" if exact else "f16")
+    kv_type = "q8_0" if exact else "f16"
+    llama = LlamaCppModel(path, max_context, spec.slots, kv_type=kv_type, prefix_cache=spec.prefix_caching)
     info = GGUFInfo(llama, config, generation)
     log.info(
         "loaded %s from %s on llama.cpp (%d threads, %d slots of %d tokens) in %.1fs",

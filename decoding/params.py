@@ -128,6 +128,8 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # output constrained to this grammar (structured outputs, tools)
     # Predicted Outputs: the expected completion as token ids; drafts come from it (lossless)
     prediction: tuple[int, ...] | None = None
+    # vLLM's cache_salt: a prompt prefix is reused only from requests that gave the same salt
+    cache_salt: str | None = None
     # ``grammar`` compiled for ``model`` (a decoding.grammar.CompiledGrammar), set by the engine's
     # ``prepare`` or ``check``; None: not compiled yet
     compiled: object | None = field(default=None, compare=False, repr=False)
@@ -151,6 +153,7 @@ class RequestStats:
     i-th drafted token was accepted; ``drafted_by_position[i]`` steps that drafted an i-th token."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, reused from a request before (prefix caching), not computed
     completion_tokens: int = 0
     steps: int = 0  # target forward passes after prefill (verifications and plain steps)
     spec_steps: int = 0
@@ -227,6 +230,7 @@ class StepOutput:
     stats: RequestStats | None = None  # set on the final output
     error: str | None = None  # set with finish_reason ERROR
     error_param: str | None = None  # with error: the request parameter at fault (its grammar's), if any
+    cached_tokens: int = 0  # RequestStats.cached_tokens, on every output (a client may leave early)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,9 @@ class SlotRunner(Generic[PoolT]):
         assert 0 <= length <= self._length, f"crop to {length} outside cache of {self._length}"
         self._length = length  # stale positions past it are overwritten before they are read
 
+    def reuse(self, tokens: list[int], exact: bool, salt: str | None = None, chunk: int | None = None) -> int:
+        return 0  # no prefix kept across requests (decoding.llamacpp's runner keeps them)
+
     def release(self) -> None:
         if self.slot >= 0:
             self.m.release(self.slot)
@@ -174,6 +177,13 @@ class SequenceRunner(Protocol):
         """Forget everything after the first ``length`` cached tokens."""
         ...
 
+    def reuse(self, tokens: list[int], exact: bool, salt: str | None = None, chunk: int | None = None) -> int:
+        """Before the first step of a sequence starting with ``tokens``: keep the longest prefix of
+        them that a finished sequence left in the model's KV (prefix caching; ``exact``: only what
+        recomputes to the same bits, on the grid of ``chunk``-token prompt chunks; ``salt``: only
+        what was cached under the same salt); the tokens kept, now in the cache (0: none)."""
+        ...
+
     def release(self) -> None: ...
 
 
@@ -199,6 +209,9 @@ class EagerRunner:
     @property
     def max_step_tokens(self) -> int | None:
         return None  # no exact mode here (see EXACT_WIDTH)
+
+    def reuse(self, tokens: list[int], exact: bool, salt: str | None = None, chunk: int | None = None) -> int:
+        return 0  # a fresh DynamicCache per sequence
 
     @torch.inference_mode()
     def forward(self, tokens: Tokens, logits: bool = True) -> torch.Tensor | None:

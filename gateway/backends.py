@@ -29,6 +29,7 @@ VLLM_EXTRAS = (
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "cache_salt",
 )
 
 
@@ -64,6 +65,7 @@ class Job:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's)
+    cache_salt: str | None = None  # prefix caching: reuse only what was cached under this salt (vLLM's)
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus N alternatives
     echo: bool = False  # completion: the prompt text precedes the completion
     spec: SpecParams = field(default_factory=SpecParams)
@@ -161,6 +163,9 @@ class Generation:
     # (Delta.prompt_logprobs), which the streamed echo waits for
     echo_logprobs: bool = False
     speculative: dict[str, Any] | None = None  # filled by the backend once every choice finished
+    # prompt tokens of every choice reused from the model's prefix cache, once they finished (0 for a
+    # cache replay: no model saw the prompt)
+    cached_tokens: int = 0
     # Predicted Outputs: (accepted, rejected) prediction tokens of every choice, once they finished
     # (gateway.local.prediction_found, summed); kept with a cached answer, so a replay reports them too
     prediction_tokens: tuple[int, int] | None = None

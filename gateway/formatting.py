@@ -123,6 +123,7 @@ class _Formatter:
             completion_tokens=self.completion_tokens,
             total_tokens=gen.prompt_tokens + self.completion_tokens,
             completion_tokens_details=self.details(gen),
+            prompt_tokens_details={"cached_tokens": gen.cached_tokens},
             speculative=gen.speculative,
         )
 

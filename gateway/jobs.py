@@ -6,6 +6,7 @@ gateway/serving.py's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -126,6 +127,7 @@ def to_job(
         min_p=req.min_p,
         repetition_penalty=req.repetition_penalty,
         frequency_penalty=req.frequency_penalty,
+        cache_salt=_cache_salt(req.cache_salt, tenant if settings.auth.prefix_cache_per_key else None),
         spec=spec,
         granularity=req.stream_granularity or settings.stream_granularity,
         tenant=tenant,
@@ -360,3 +362,11 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
                 f"Token ids in prompt must be in [0, {MAX_TOKEN_ID}], got {str(bad)[:40]}.", param="prompt"
             )
     return prompts
+
+
+def _cache_salt(salt: str | None, tenant: str | None) -> str | None:
+    """The request's prefix-cache salt, scoped to its tenant where keys are kept apart
+    (``auth.prefix_cache_per_key``): opaque, since a remote upstream receives it as vLLM's cache_salt."""
+    if tenant is None:
+        return salt
+    return hashlib.sha256(f"{tenant}\0{salt or ''}".encode()).hexdigest()[:32]

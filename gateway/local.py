@@ -166,6 +166,7 @@ class LocalBackend:
                         logit_bias=bias,
                         grammar=grammar,
                         prediction=prediction,
+                        cache_salt=job.cache_salt,
                     )
                 )
         return reqs
@@ -225,7 +226,9 @@ class LocalBackend:
                 else:
                     assert isinstance(item, Delta)
                     yield item
-            gen.speculative = merge_stats(stats).as_dict()
+            merged = merge_stats(stats)
+            gen.speculative = merged.as_dict()
+            gen.cached_tokens = merged.cached_tokens
         finally:
             for p in pumps:
                 p.cancel()
@@ -352,6 +355,7 @@ def _observe(stats: RequestStats, step: StepOutput) -> None:
     """Speculation stats from the steps seen, for a request left early (stop string) that never
     receives the engine's final stats (the engine's own bookkeeping, without the step's seconds)."""
     stats.record_step(step.drafted, step.accepted, 0.0)
+    stats.cached_tokens = step.cached_tokens
 
 
 def prediction_found(prediction: Sequence[int], output: Sequence[int]) -> int:
@@ -370,7 +374,15 @@ def prediction_found(prediction: Sequence[int], output: Sequence[int]) -> int:
 def merge_stats(parts: list[RequestStats]) -> RequestStats:
     out = RequestStats(drafter=parts[0].drafter if parts else "none")
     for s in parts:
-        for name in ("prompt_tokens", "completion_tokens", "steps", "spec_steps", "drafted", "accepted"):
+        for name in (
+            "prompt_tokens",
+            "cached_tokens",
+            "completion_tokens",
+            "steps",
+            "spec_steps",
+            "drafted",
+            "accepted",
+        ):
             setattr(out, name, getattr(out, name) + getattr(s, name))
         out.spec_disabled_steps += s.spec_disabled_steps
         for i, (d, a) in enumerate(zip(s.drafted_by_position, s.accepted_by_position, strict=True)):

@@ -261,6 +261,8 @@ class _Sampling(_Request):
     min_p: float = Field(default=0.0, ge=0, le=1)
     # from 0.01: a logit divided by a denormal penalty overflows to inf (the fuzz test's 500)
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=100)
+    # vLLM's: the prompt's prefix is reused only from requests that sent the same salt (prefix caching)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     speculative: SpeculativeOptions | None = None
     stream_granularity: Literal["step", "token"] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -353,6 +355,8 @@ class Usage(BaseModel):
     total_tokens: int
     # {accepted_prediction_tokens, rejected_prediction_tokens} with Predicted Outputs
     completion_tokens_details: dict[str, int] | None = None
+    # {cached_tokens}: prompt tokens whose KV a request before left (prefix caching), as OpenAI reports
+    prompt_tokens_details: dict[str, int] | None = None
     speculative: dict[str, Any] | None = None  # RequestStats.as_dict(), merged over choices
 
 

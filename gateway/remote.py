@@ -208,6 +208,9 @@ async def _deltas(stream: UpstreamStream, job: Job, gen: Generation) -> AsyncIte
             usage = event.get("usage")
             if isinstance(usage, dict):
                 gen.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details")  # its own prefix cache's hits, if it says
+                if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                    gen.cached_tokens = details["cached_tokens"]
                 reported = usage.get("completion_tokens")
                 if held and isinstance(reported, int):
                     held[-1].completion_tokens += reported - counted

@@ -190,6 +190,7 @@ def _build_engine(settings: Settings) -> EngineClient:
             backend=m.backend,
             exact=m.exact,
             batch_invariant=m.batch_invariant,
+            prefix_caching=m.prefix_caching,
         )
         for m in settings.models
     ]

@@ -72,6 +72,9 @@ class ModelSettings(_Section):
     # exact mode on a GPU also batch-invariant (a request's tokens do not depend on what else is in the
     # batch), at a cost in throughput (decoding.loader.ModelSpec.batch_invariant)
     batch_invariant: bool = False
+    # llama.cpp: a finished request's KV stays in its slot for the next request sharing its prompt's
+    # prefix (decoding.prefix; docs/architecture.md, Prefix caching); false: every prompt prefilled whole
+    prefix_caching: bool = True
 
 
 class AuthSettings(_Section):
@@ -82,6 +85,10 @@ class AuthSettings(_Section):
     # Set to ["/health"] to require a key everywhere else. /openapi.json is not public by default:
     # it describes an API that needs a key (add it here to publish the schema).
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics", "/dashboard"])
+    # a key's requests reuse only the prompt prefixes its own requests left in the engine's KV (each
+    # request salted by its tenant, as vLLM's cache_salt): no other key learns from cached_tokens or
+    # timing whether a prompt was sent (docs/architecture.md, Prefix caching)
+    prefix_cache_per_key: bool = False
 
 
 class LimitSettings(_Section):

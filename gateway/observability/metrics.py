@@ -283,6 +283,19 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        # prefix caching (decoding/prefix.py): hit rate = hit / (hit + miss)
+        self.prefix_lookups = Counter(
+            "specgate_prefix_cache_lookups",
+            "Engine generations by whether their prompt reused a cached prefix (outcome=hit|miss).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.engine_prompt_tokens = Counter(
+            "specgate_engine_prompt_tokens",
+            "Prompt tokens of engine generations: source=cached reused a prefix's KV, computed were prefilled.",
+            ["model", "source"],
+            registry=r,
+        )
 
         # ---- cache ------------------------------------------------------------------------
         self.cache_lookups = Counter(
@@ -440,6 +453,9 @@ class Metrics:
         self.generations.labels(m, finish_reason, self.strategy_label(stats.drafter)).inc()
         self.queue_wait.labels(m).observe(stats.queue_s)
         self.prefill.labels(m).observe(stats.prefill_s)
+        self.prefix_lookups.labels(m, "hit" if stats.cached_tokens else "miss").inc()
+        self.engine_prompt_tokens.labels(m, "cached").inc(stats.cached_tokens)
+        self.engine_prompt_tokens.labels(m, "computed").inc(stats.prompt_tokens - stats.cached_tokens)
         if stats.spec_disabled_steps:
             self.spec_disabled_steps.labels(m).inc(stats.spec_disabled_steps)
             self.spec_switched_off.labels(m).inc()

@@ -374,3 +374,46 @@ def test_an_amx_check_that_fails_without_a_crash_keeps_no_verdict(monkeypatch, t
     assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is True
     assert llamacpp.amx_works(lib, tmp_path / "m.gguf") is True
     assert len(runs) == 3
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_a_conversations_next_turn_reuses_its_prefix_and_gives_what_it_gives_cold(pair):
+    """Prefix caching on the real pair (decoding/prefix.py): the next turn of a conversation, and a
+    second conversation sharing its system prompt, reuse whole 64-token chunks of what the slots
+    kept and give, to the bit (logprobs), what they give with every slot's KV dropped first."""
+    engine = Engine(pair)
+    engine.chunk_tokens = 64  # as AsyncEngine sets it: its prefill budget
+    tok = pair["target"].tokenizer
+    system = "You are a careful reviewer. " + PROMPTS["edit"][0] * 3
+    turn1 = _chat(tok, [system + PROMPTS["code"][0]])
+    other = _chat(tok, [system + PROMPTS["prose"][0]])
+
+    def run(ids: list[int], mode: str, cold: bool) -> tuple[list[object], int]:
+        if cold:
+            for m in pair.values():
+                for slot in range(m.model.llama.slots):
+                    m.model.llama.cut(slot, 0)
+        params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+        seq = engine.start(
+            GenerationRequest(f"r-{mode}", "target", ids, params, SpecParams(SpecMode(mode), 3, False))
+        )
+        got: list[object] = []
+        try:
+            while seq.finished is None:
+                for out in engine.step_batch([seq], 64):
+                    got += (out.logprobs or []) if out is not None else []
+        finally:
+            seq.release()
+        return got, seq.stats.cached_tokens
+
+    for mode in ("off", "draft"):
+        first, _ = run(turn1, mode, cold=True)
+        answer = tok.decode([x.token_id for x in first])  # type: ignore[attr-defined]
+        turn2 = _chat(tok, [system + PROMPTS["code"][0], answer, "Now add type hints."])
+        warm, cached = run(turn2, mode, cold=False)
+        assert cached >= 64 and cached % 64 == 0
+        assert warm == run(turn2, mode, cold=True)[0]
+        shared, cached = run(other, mode, cold=False)
+        assert cached >= 64
+        assert shared == run(other, mode, cold=True)[0]

@@ -40,6 +40,7 @@ class ScriptedEngine:
     delay: float = 0.0
     overloaded: int = 0  # the first this many submits are refused as the real engine's full queue is
     finish: FinishReason = FinishReason.LENGTH  # how the last step ends (STOP: as at an end-of-turn token)
+    cached: int = 0  # prompt tokens every request reports reused from the prefix cache
     requests: list[GenerationRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -78,7 +79,9 @@ class ScriptedEngine:
         return self._steps(request)
 
     async def _steps(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
-        stats = RequestStats(prompt_tokens=len(request.prompt_token_ids), drafter="scripted")
+        stats = RequestStats(
+            prompt_tokens=len(request.prompt_token_ids), cached_tokens=self.cached, drafter="scripted"
+        )
         for i, ids in enumerate(self.script):
             await asyncio.sleep(self.delay)
             self.engine.total_steps += 1
@@ -97,6 +100,7 @@ class ScriptedEngine:
                 prompt_logprobs=_scored(request) if i == 0 else None,
                 finish_reason=self.finish if last else None,
                 stats=stats if last else None,
+                cached_tokens=self.cached,
             )
 
 

@@ -63,6 +63,16 @@ def test_generation_done_counts_switch_offs() -> None:
     assert m.value("specgate_engine_queue_wait_seconds_sum", model="tiny") == pytest.approx(0.5)
 
 
+def test_generation_done_counts_prefix_hits_and_cached_against_computed_prompt_tokens() -> None:
+    m = Metrics(models=["tiny"])
+    m.observe_generation_done("tiny", RequestStats(prompt_tokens=900, cached_tokens=832), "stop")
+    m.observe_generation_done("tiny", RequestStats(prompt_tokens=100), "stop")
+    assert m.value("specgate_prefix_cache_lookups_total", model="tiny", outcome="hit") == 1
+    assert m.value("specgate_prefix_cache_lookups_total", model="tiny", outcome="miss") == 1
+    assert m.value("specgate_engine_prompt_tokens_total", model="tiny", source="cached") == 832
+    assert m.value("specgate_engine_prompt_tokens_total", model="tiny", source="computed") == 168
+
+
 def test_request_done_latency_ttft_tpot_tokens() -> None:
     m = Metrics()
     m.observe_request_done(
