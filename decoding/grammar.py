@@ -302,38 +302,34 @@ COMPILE_STACK_BYTES = 512 * 1024 * 1024
 _FALLBACK_STACK_BYTES = 64 * 1024 * 1024  # where the system refuses the above (a strict overcommit)
 
 
-class GrammarCompiler:
-    """Compiles grammars on ``workers`` threads of their own, with a deep stack (llguidance drops the
-    GIL while it compiles, so streams keep their pace meanwhile). Identical grammars for one model
-    are compiled once: concurrent requests share the compile in flight, later ones the last
-    ``cache_size`` results (an agent sends the same tools every turn)."""
+class _CompileThreads:
+    """The process's compile threads, started on first use and shared by every ``GrammarCompiler``
+    (an engine has one; tests build hundreds), with the deep stack above."""
 
-    def __init__(self, limits: GrammarLimits | None = None, workers: int = 2, cache_size: int = 64):
-        self.limits = limits or GrammarLimits()
-        self.cache_size = cache_size
-        self._lock = threading.Lock()
-        self._done: collections.OrderedDict[tuple[str, GrammarSpec], CompiledGrammar] = (
-            collections.OrderedDict()
-        )
-        self._running: dict[tuple[str, GrammarSpec], concurrent.futures.Future[CompiledGrammar]] = {}
+    def __init__(self, n: int):
+        self.n = n
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._workers = [self._start_worker(i) for i in range(workers)]
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
 
-    def _start_worker(self, i: int) -> threading.Thread:
-        with _STACK_LOCK:  # threading.stack_size is process-wide: set it for this thread alone
-            for size in (COMPILE_STACK_BYTES, _FALLBACK_STACK_BYTES, 0):
-                try:
-                    threading.stack_size(size)
-                    t = threading.Thread(target=self._work, name=f"specgate-grammar-{i}", daemon=True)
-                    t.start()
-                    break
-                except (RuntimeError, ValueError, MemoryError):
-                    log.warning("could not start a grammar thread with a %d-byte stack", size)
-                finally:
-                    threading.stack_size(0)
-            else:
-                raise RuntimeError("could not start a grammar compile thread")
-        return t
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            while len(self._threads) < self.n:
+                self._threads.append(self._start(len(self._threads)))
+        self._jobs.put(job)
+
+    def _start(self, i: int) -> threading.Thread:
+        for size in (COMPILE_STACK_BYTES, _FALLBACK_STACK_BYTES, 0):
+            try:  # threading.stack_size is process-wide: set for this thread's start alone
+                threading.stack_size(size)
+                t = threading.Thread(target=self._work, name=f"specgate-grammar-{i}", daemon=True)
+                t.start()
+                return t
+            except (RuntimeError, ValueError, MemoryError):
+                log.warning("could not start a grammar thread with a %d-byte stack", size)
+            finally:
+                threading.stack_size(0)
+        raise RuntimeError("could not start a grammar compile thread")
 
     def _work(self) -> None:
         while True:
@@ -342,6 +338,26 @@ class GrammarCompiler:
                 job()
             except Exception:  # a job settles its own future; this thread must outlive any fault
                 log.exception("a grammar compile job failed")
+            del job  # not kept alive (with the tokenizer its closure holds) until the next one
+
+
+_THREADS = _CompileThreads(2)
+
+
+class GrammarCompiler:
+    """Compiles grammars on the process's compile threads, whose stack is deep (llguidance drops the
+    GIL while it compiles, so streams keep their pace meanwhile). Identical grammars for one model
+    are compiled once: concurrent requests share the compile in flight, later ones the last
+    ``cache_size`` results (an agent sends the same tools every turn)."""
+
+    def __init__(self, limits: GrammarLimits | None = None, cache_size: int = 64):
+        self.limits = limits or GrammarLimits()
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._done: collections.OrderedDict[tuple[str, GrammarSpec], CompiledGrammar] = (
+            collections.OrderedDict()
+        )
+        self._running: dict[tuple[str, GrammarSpec], concurrent.futures.Future[CompiledGrammar]] = {}
 
     def compile(
         self, key: str, spec: GrammarSpec, build: Callable[[GrammarSpec], Any]
@@ -377,7 +393,7 @@ class GrammarCompiler:
                     self._done.popitem(last=False)
             future.set_result(compiled)
 
-        self._jobs.put(job)
+        _THREADS.submit(job)
         return future
 
     def wait(self, spec: GrammarSpec, future: concurrent.futures.Future[CompiledGrammar]) -> CompiledGrammar:
@@ -392,6 +408,3 @@ class GrammarCompiler:
             f"The grammar did not compile within {self.limits.timeout_s:g}s (limits.grammar_timeout_s).",
             spec.param,
         )
-
-
-_STACK_LOCK = threading.Lock()

@@ -67,7 +67,7 @@ def test_grammars_that_overflowed_the_stack_compile_on_the_compile_thread(spec: 
 
 
 def test_the_compile_runs_on_a_thread_of_its_own_and_survives_faults() -> None:
-    compiler = GrammarCompiler(workers=1)
+    compiler = GrammarCompiler()
     seen: list[str] = []
 
     def build(spec: GrammarSpec) -> Any:
@@ -80,7 +80,7 @@ def test_the_compile_runs_on_a_thread_of_its_own_and_survives_faults() -> None:
         compiler.wait(GrammarSpec("lark", "boom"), compiler.compile("m", GrammarSpec("lark", "boom"), build))
     ok = GrammarSpec("lark", 'start: "a"')
     assert compiler.wait(ok, compiler.compile("m", ok, build)) is not None  # the thread lives on
-    assert seen == ["specgate-grammar-0"] * 2
+    assert len(seen) == 2 and all(name.startswith("specgate-grammar-") for name in seen)
 
 
 def test_identical_grammars_compile_once_and_requests_get_their_own_matcher() -> None:
@@ -105,7 +105,7 @@ def test_identical_grammars_compile_once_and_requests_get_their_own_matcher() ->
 
 
 def test_a_compile_past_the_timeout_is_a_400_naming_the_parameter() -> None:
-    compiler = GrammarCompiler(GrammarLimits(timeout_s=0.2), workers=1)
+    compiler = GrammarCompiler(GrammarLimits(timeout_s=0.2))
     release = threading.Event()
     spec = GrammarSpec("json_schema", "{}", "response_format")
     future = compiler.compile("m", spec, lambda s: release.wait(30) and object())
