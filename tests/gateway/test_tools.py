@@ -72,7 +72,7 @@ def test_arguments_first_layout_falls_back_to_a_whole_parse_and_garbage_stays_te
     _, calls, _ = parse(['<tool_call>{"arguments": {"q": 1}, "name": "f"}</tool_call>'])
     assert calls == [("f", '{"q": 1}')]
     content, calls, _ = parse(["<tool_call>not json</tool_call>"])
-    assert content == "<tool_call>not json" and calls == []
+    assert content == "<tool_call>not json</tool_call>" and calls == []  # as it came, both tags
 
 
 @pytest.mark.parametrize(
@@ -239,6 +239,19 @@ PLAIN_CALLS: dict[str, tuple[str, list[tuple[str, str]]]] = {  # text -> (conten
     f"```json\n{W}\n```\nThis looks up the weather.\n": ("This looks up the weather.\n", [W_CALL]),
     f"{W}\n<tool_call>\n{A}\n</tool_call>": ("", [W_CALL, A_CALL]),
     f"{W}\n```python\nx = 1\n```": ("```python\nx = 1\n```", [W_CALL]),  # code after the call: content
+    # the wrappers models write (issue 51): <tools> (Qwen2.5 in a LangChain tool loop), Llama 3.x's
+    # <|python_tag|> with "parameters", Mistral's [TOOL_CALLS] list
+    '<tools>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tools>': (
+        "",
+        [("get_weather", '{"city": "Oslo"}')],
+    ),
+    f"<tools>\n{W}\n{A}\n</tools>": ("", [W_CALL, A_CALL]),
+    f"<tools>[{W}, {A}]</tools>\nDone.": ("Done.", [W_CALL, A_CALL]),
+    f"<tools>\n{W}\n</tools>\n<tools>\n{A}\n</tools>": ("", [W_CALL, A_CALL]),
+    '<|python_tag|>{"name": "add", "parameters": {"a": 1}}': ("", [("add", '{"a": 1}')]),
+    f"<|python_tag|>{A}\n<|python_tag|>{W}": ("", [A_CALL, W_CALL]),
+    f"[TOOL_CALLS] [{W}, {A}]": ("", [W_CALL, A_CALL]),
+    f"[TOOL_CALLS][{A}]\nThat adds them.": ("That adds them.", [A_CALL]),
 }
 
 NOT_CALLS = [  # content, byte for byte
@@ -262,9 +275,35 @@ NOT_CALLS = [  # content, byte for byte
     "   ",
     "",
     "{" + " " * 600 + '"name": "add", "arguments": {}}',  # past the longest head held back
+    '<tools>\n{"name": "get_time", "arguments": {}}\n</tools>',  # wrapped, but not a declared tool
+    '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]',
+    '<|python_tag|>print("hi")',
+    "<tools> is where the tool list goes.",
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',  # tagged, undeclared
+    "[TOOL_CALL",
+    "<tools",
 ]
 
-TAGGED = [TWO_CALLS, f"Let me check.\n{TWO_CALLS}\n\nDone.\n\nBye", "<tool_call>not json</tool_call> \n x"]
+TAGGED = [
+    TWO_CALLS,
+    f"Let me check.\n{TWO_CALLS}\n\nDone.\n\nBye",
+    "<tool_call>not json</tool_call> \n x",
+    f"Let me check.\n<tools>\n{A}\n</tools>\nDone.",
+    'See <tools>{"name": "get_time", "arguments": {}}</tools> ok <tools> and <tool_call> x',
+]
+
+
+def test_tags_after_content_read_as_qwens_own_and_name_declared_tools() -> None:
+    content, calls, _ = parse([f"Let me check.\n<tools>\n{A}\n</tools>\nDone."], NAMES)
+    assert content == "Let me check.\nDone." and calls == [A_CALL]
+    # where no tool is declared, only Qwen2.5's own tag is a call
+    text = f"Let me check.\n<tools>\n{A}\n</tools>"
+    assert parse([text])[:2] == (text, [])
+    # a tagged call of a tool the request did not declare is the text it was, tags included
+    text = 'See <tools>{"name": "get_time", "arguments": {}}</tools> ok'
+    assert parse([text], NAMES)[:2] == (text, [])
+    assert parse(['<tool_call>{"name": "get_time"}</tool_call>'], NAMES)[1] == []
+    assert parse(['<tool_call>{"name": "get_time"}</tool_call>'])[1] == [("get_time", "{}")]
 
 
 def cuttings(text: str) -> list[list[str]]:
@@ -341,9 +380,19 @@ def scripted_app(text: str, step: int = 5, **settings: Any) -> Any:
     return create_app(load_settings(overrides=overrides, env={}), engine=engine)  # type: ignore[arg-type]
 
 
+WRAPPED = {  # how models wrap a call (issue 51), {} for the call's JSON
+    "fence": "```json\n{}\n```",
+    "tools": "<tools>\n{}\n</tools>",
+    "mistral": "[TOOL_CALLS] [{}]",
+    "llama": "<|python_tag|>{}",
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPED))
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])
-async def test_a_fenced_call_through_the_gateway_streamed_and_not(name: str) -> None:
-    text = f'```json\n{{"name": "{name}", "arguments": {{"city": "Paris"}}}}\n```'
+async def test_a_wrapped_call_through_the_gateway_streamed_and_not(name: str, wrap: str) -> None:
+    key = "parameters" if wrap == "llama" else "arguments"
+    text = WRAPPED[wrap].format(f'{{"name": "{name}", "{key}": {{"city": "Paris"}}}}')
     app = scripted_app(f"{text}<END>", 3)
     body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                             "tools": [WEATHER], "stop": ["<END>"]}  # fmt: skip
