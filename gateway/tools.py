@@ -166,22 +166,28 @@ class ToolCallParser:
 
     ``names``: the request's declared tools, without which only ``<tool_call>`` text is a call;
     ``parallel``: whether the output may hold more calls than the first (False: the request's
-    ``parallel_tool_calls`` is false, and text after the first call is content, tagged or not).
+    ``parallel_tool_calls`` is false, and text after the first call is content, tagged or not);
+    ``loose``: the tools whose calls are read in the other layouts too (default: all of ``names``).
+    A grammar checks calls only in its own ``<tool_call>`` layout (``gateway.grammars``), so a strict
+    function's call elsewhere, or an answer in a response_format's JSON, would skip its checks.
     """
 
-    def __init__(self, names: Collection[str] = (), parallel: bool = True) -> None:
+    def __init__(
+        self, names: Collection[str] = (), parallel: bool = True, loose: Collection[str] | None = None
+    ) -> None:
         self.names = frozenset(names)
+        self.loose = self.names if loose is None else frozenset(loose) & self.names
         self.parallel = parallel
         # lead (a plain-JSON call may still open the output, or follow one) | content | head | args
         # | tail (a tagged call's end) | after (a plain-JSON call's end)
-        self.state = "lead" if self.names else "content"
+        self.state = "lead" if self.loose else "content"
         self.buf = ""  # text not yet decided on
         self.spaces = ""  # whitespace the output opens with: kept before content, dropped before a call
         self.spoken = False  # content other than whitespace since the last call (or the start)
         self.calls = 0
         self.bare = False  # the call in progress is plain JSON: it ends with its object, not a tag
         self.closer = ""  # plain-JSON calls: what closes the wrapper they are in ("": none)
-        self.tags = TAGS if self.names else {OPEN: CLOSE}
+        self.tags = TAGS if self.loose else {OPEN: CLOSE}
         self.open, self.close = OPEN, CLOSE  # the tags of the tagged call in progress
         self.listed = False  # plain-JSON calls: inside a [ list
         self.depth = 0  # arguments: JSON nesting depth
@@ -239,7 +245,7 @@ class ToolCallParser:
         if not self.calls:
             self.spaces += self.buf[: len(self.buf) - len(stripped)]
         self.buf = stripped
-        head = bare_head(self.buf[:HEAD_MAX], self.names, bool(self.closer), self.listed)
+        head = bare_head(self.buf[:HEAD_MAX], self.loose, bool(self.closer), self.listed)
         if head == MORE and len(self.buf) < HEAD_MAX:
             return False
         if not isinstance(head, BareHead):  # not a call: the text held goes out as it came
@@ -300,8 +306,11 @@ class ToolCallParser:
         return False
 
     def _declared(self, name: str) -> bool:
-        """Whether a call of ``name`` is one: any name where no tool is declared (``<tool_call>``
-        alone), else a declared one (issue 51: nothing naming no declared tool becomes a call)."""
+        """Whether the tagged call in progress, of ``name``, is one: in ``<tool_call>``, any name
+        where no tool is declared, else a declared one (issue 51: nothing naming no declared tool
+        becomes a call); in the other tags, a ``loose`` one."""
+        if self.open != OPEN:
+            return name in self.loose
         return not self.names or name in self.names
 
     def _open(self, name: str, calls: list[ToolCallDelta], bare: bool) -> None:

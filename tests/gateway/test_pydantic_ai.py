@@ -1,7 +1,7 @@
 """pydantic-ai (``pydantic-ai-slim[openai]``), unmodified, against a real server on a scripted engine:
 an ``Agent`` completes a tool loop, and one with an output type gets its structured result (pydantic-ai
 asks for it as a call of its ``final_result`` tool), on Chat Completions and on the Responses API.
-The scripted turns write calls in the wrappers models use (issue 51), not only Qwen2.5's tags."""
+A call of a function without ``strict`` is scripted in a wrapper models write (issue 51)."""
 
 from __future__ import annotations
 
@@ -51,15 +51,18 @@ def model(client: openai.AsyncOpenAI, api: str) -> Any:
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
-async def test_an_agent_completes_a_tool_loop_on_a_call_wrapped_in_tools_tags(api: str) -> None:
-    # the call as Qwen2.5 wrote it in a LangChain tool loop (issue 51): it came back as content
-    call = '<tools>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tools>'
+@pytest.mark.parametrize("strict", [False, True])
+async def test_an_agent_completes_a_tool_loop(api: str, strict: bool) -> None:
+    # without strict: the call as Qwen2.5 wrote it in a LangChain tool loop (issue 51), which came
+    # back as content; a strict function's call is checked by a grammar that writes Qwen2.5's tags
+    tag = "tool_call" if strict else "tools"
+    call = f'<{tag}>\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}\n</{tag}>'
     async with serve([call, ANSWER]) as (url, engine):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         called: list[str] = []
         agent = pydantic_ai.Agent(model(client, api), instructions="Answer with the tools.")
 
-        @agent.tool_plain
+        @agent.tool_plain(strict=strict)
         def get_weather(city: str) -> str:
             """The weather in a city."""
             called.append(city)
@@ -74,9 +77,10 @@ async def test_an_agent_completes_a_tool_loop_on_a_call_wrapped_in_tools_tags(ap
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
-@pytest.mark.parametrize("wrap", ["<tool_call>\n{}\n</tool_call>", "```json\n{}\n```", "[TOOL_CALLS] [{}]"])
-async def test_an_agent_with_an_output_type_gets_its_structured_result(api: str, wrap: str) -> None:
-    call = wrap.replace("{}", '{"name": "final_result", "parameters": {"city": "Oslo", "temperature_c": 21}}')
+async def test_an_agent_with_an_output_type_gets_its_structured_result(api: str) -> None:
+    # pydantic-ai asks for a strict call of final_result (tool_choice required): a grammar writes it,
+    # in Qwen2.5's tags, which the scripted engine writes for it here
+    call = '<tool_call>\n{"name": "final_result", "arguments": {"city": "Oslo", "temperature_c": 21}}\n</tool_call>'
     async with serve([call]) as (url, engine):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         agent = pydantic_ai.Agent(model(client, api), output_type=Weather)
@@ -84,4 +88,5 @@ async def test_an_agent_with_an_output_type_gets_its_structured_result(api: str,
         await client.close()
         assert result.output == Weather(city="Oslo", temperature_c=21)
         [request] = engine.requests
+        assert request.grammar is not None and request.grammar.param == "tools"  # the call is forced
         assert '"name": "final_result"' in byte_tokenizer().decode(request.prompt_token_ids)

@@ -16,7 +16,7 @@ from decoding.grammar import ll_tokenizer, matcher
 from decoding.tiny import byte_tokenizer
 from gateway.app import create_app
 from gateway.backends import ToolCallDelta
-from gateway.grammars import grammar_for, tool_grammar
+from gateway.grammars import grammar_for, loose_calls, tool_grammar
 from gateway.remote import _Calls
 from gateway.settings import load_settings
 from gateway.tools import ToolCallParser
@@ -29,9 +29,12 @@ TWO_CALLS = (
 
 
 def parse(
-    pieces: list[str], names: Collection[str] = (), parallel: bool = True
+    pieces: list[str],
+    names: Collection[str] = (),
+    parallel: bool = True,
+    loose: Collection[str] | None = None,
 ) -> tuple[str, list[tuple[str, str]], list[ToolCallDelta]]:
-    p = ToolCallParser(names, parallel)
+    p = ToolCallParser(names, parallel, loose)
     content, deltas = "", []
     for piece in [*pieces, None]:
         text, calls = p.flush() if piece is None else p.feed(piece)
@@ -563,3 +566,37 @@ def test_a_fence_closing_an_unfenced_call_is_no_content(parallel: bool, tail: st
     assert parse([f"{W}\n```py\nx\n```"], NAMES, parallel)[:2] == ("```py\nx\n```", [W_CALL])
     if parallel:
         assert parse([f"{W}\n```json\n{A}\n```"], NAMES)[:2] == ("", [W_CALL, A_CALL])
+
+
+def test_calls_a_grammar_checks_are_read_only_in_its_tags() -> None:
+    for text in (W, f"```json\n{W}\n```", f"<tools>\n{W}\n</tools>", f"[TOOL_CALLS] [{W}]"):
+        assert parse([text], NAMES, loose=["add"])[:2] == (text, [])  # get_weather: strict, say
+        assert parse([text.replace(W, A)], NAMES, loose=["add"])[1] == [A_CALL]
+    assert parse([f"<tool_call>\n{W}\n</tool_call>"], NAMES, loose=[])[1] == [W_CALL]
+    strict = {"type": "function", "function": {"name": "get_weather", "strict": True}}
+    loose = {"type": "function", "function": {"name": "add"}}
+    assert loose_calls([strict, loose], None) == ["add"]
+    assert loose_calls([strict, loose], {"type": "text"}) == ["add"]
+    assert loose_calls([loose], {"type": "json_object"}) == []  # the answer is JSON: only tags are calls
+
+
+@pytest.mark.parametrize("strict", [False, True])
+async def test_text_a_strict_functions_grammar_let_through_is_no_call(strict: bool) -> None:
+    """tool_choice auto with a strict function: the grammar checks calls in its own ``<tool_call>``
+    layout and lets other text through unchecked, so a plain-JSON call there (arguments against the
+    schema) stays content; without strict there is no grammar and it is read as a call."""
+    text = '{"name": "get_weather", "arguments": {"city": 5}}'
+    tool = {"type": "function", "function": {**WEATHER["function"], "strict": strict}}
+    app = scripted_app(f"{text}<END>", 3)
+    body = {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [tool],
+        "stop": ["<END>"],
+    }
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        message = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+    if strict:
+        assert message["content"] == text and "tool_calls" not in message
+    else:
+        assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
