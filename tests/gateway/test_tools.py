@@ -573,6 +573,10 @@ def test_calls_a_grammar_checks_are_read_only_in_its_tags() -> None:
         assert parse([text], NAMES, loose=["add"])[:2] == (text, [])  # get_weather: strict, say
         assert parse([text.replace(W, A)], NAMES, loose=["add"])[1] == [A_CALL]
     assert parse([f"<tool_call>\n{W}\n</tool_call>"], NAMES, loose=[])[1] == [W_CALL]
+    text = f"<tools>\n{W}\n</tools>\n<tools>\n{A}\n</tools>"
+    whole = parse([text], NAMES, loose=["add"])[:2]
+    assert whole == (f"<tools>\n{W}\n</tools>\n", [A_CALL])
+    assert all(parse(pieces, NAMES, loose=["add"])[:2] == whole for pieces in cuttings(text))
     strict = {"type": "function", "function": {"name": "get_weather", "strict": True}}
     loose = {"type": "function", "function": {"name": "add"}}
     assert loose_calls([strict, loose], None) == ["add"]
