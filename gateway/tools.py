@@ -7,7 +7,8 @@ Two families of layout, each one table: tags around one call anywhere in the tex
 bare or in a wrapper (``WRAPPERS``: a ``` fence, ``<tools>``, Llama 3.x's ``<|python_tag|>``,
 Mistral's ``[TOOL_CALLS]``), one object, several, or a list; ``"parameters"`` counts as
 ``"arguments"``. Small models (Qwen2.5-Coder-1.5B) often answer so instead of with the tags. A call
-names a declared tool (where none is declared, only ``<tool_call>`` text is a call). Anything else is
+names a declared tool (where none is declared, only ``<tool_call>`` text is a call), outside
+``<tool_call>`` one no grammar checks (``ToolCallParser``'s ``loose``). Anything else is
 content, byte for byte: text is held only while it may still become such a call's head and goes out
 as soon as it cannot.
 
@@ -31,7 +32,7 @@ from gateway.backends import ToolCallDelta, new_call_id
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # Tags around one call, anywhere in the text: Qwen2.5's (Hermes') own, and <tools>, which Qwen2.5
 # also writes around a call (seen in a LangChain tool loop, issue 51). Only the first counts where
-# no tool is declared; the others' calls must name a declared tool.
+# no tool is declared; the others' calls must name a tool ToolCallParser reads loosely.
 TAGS = {OPEN: CLOSE, "<tools>": "</tools>"}
 # Wrappers around plain-JSON calls where they open the output, opener -> closer ("": none): a ```
 # fence (a language may follow it), <tools>, Llama 3.x's <|python_tag|> and Mistral's [TOOL_CALLS]
