@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             out, stats, _ = engine.generate(req)
             return out, {
                 "accept": stats.acceptance_rate,
-                "per_step": stats.mean_accepted_per_step,
+                "per_step": stats.tokens_per_step,
                 "off": stats.spec_disabled_steps,
             }
 

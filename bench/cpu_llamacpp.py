@@ -221,7 +221,7 @@ def engine_run(engine: Engine, ids: list[int], mode: SpecMode, new: int) -> Run:
     stats = seq.stats
     info = {
         "accept": stats.acceptance_rate,
-        "per_step": stats.mean_accepted_per_step,
+        "per_step": stats.tokens_per_step,
         "off": stats.spec_disabled_steps,
     }
     return timing(out, t0, first, end, n_first if first else 0) | {"info": info}

@@ -126,7 +126,7 @@ def run(engine: Engine, ids: list[int], mode: SpecMode, new: int, **kw: Any) -> 
     wall = time.perf_counter() - t0
     print(f"  {mode.value}{' +prediction' if kw.get('prediction') else ''}: {len(tokens)} tokens, {stats.steps} "
           f"passes, {wall:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
-    return {"tokens": tokens, "wall_s": wall, "tok_s": len(tokens) / wall, "per_pass": stats.mean_accepted_per_step,
+    return {"tokens": tokens, "wall_s": wall, "tok_s": len(tokens) / wall, "per_pass": stats.tokens_per_step,
             "steps": stats.steps, "decode_step_ms": 1e3 * stats.decode_s / max(stats.steps, 1)}  # fmt: skip
 
 

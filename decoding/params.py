@@ -189,9 +189,21 @@ class RequestStats:
                 self.accepted_by_position[i] += 1
 
     @property
-    def mean_accepted_per_step(self) -> float:
-        """Tokens emitted per target forward pass (accepted drafts plus the corrected/bonus token)."""
+    def tokens_per_step(self) -> float:
+        """Output tokens per target forward pass after prefill (accepted drafts plus the corrected or
+        bonus token; plain steps count, so about 1 with speculation off)."""
         return self.completion_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def accepted_per_spec_step(self) -> float:
+        """Accepted draft tokens per speculative (verification) step; 0 where none drafted."""
+        return self.accepted / self.spec_steps if self.spec_steps else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Deprecated alias of ``tokens_per_step`` (the name said accepted drafts; it never counted
+        them): kept one release for clients that read it (issue 51)."""
+        return self.tokens_per_step
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -200,7 +212,11 @@ class RequestStats:
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
-            "mean_accepted_per_step": round(self.mean_accepted_per_step, 4),
+            "spec_steps": self.spec_steps,
+            "accepted_tokens_per_spec_step": round(self.accepted_per_spec_step, 4),
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            # deprecated: tokens_per_step under its old, misleading name (README, "Usage")
+            "mean_accepted_per_step": round(self.tokens_per_step, 4),
             "accepted_by_position": list(self.accepted_by_position),
             "drafted_by_position": list(self.drafted_by_position),
             "spec_disabled_steps": self.spec_disabled_steps,

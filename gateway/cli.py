@@ -104,7 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
         f"\n-- {stats.completion_tokens} tokens, finish={finish.value}, {tps:.2f} tok/s decode, "
         f"prefill {stats.prefill_s:.2f}s, drafter={stats.drafter}, steps={stats.steps}, "
         f"drafted={stats.drafted}, accepted={stats.accepted} ({stats.acceptance_rate:.0%}), "
-        f"tokens/step={stats.mean_accepted_per_step:.2f}",
+        f"tokens/step={stats.tokens_per_step:.2f}",
         file=sys.stderr,
     )
     return 0

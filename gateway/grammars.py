@@ -106,6 +106,15 @@ def grammar_for(
     return GrammarSpec("json_schema", json.dumps(schema))
 
 
+def loose_calls(tools: list[dict[str, Any]] | None, response_format: dict[str, Any] | None) -> list[str]:
+    """The tools whose calls ``gateway.tools`` also reads outside ``<tool_call>`` (bare JSON, a fence,
+    ``<tools>``, ...): those no grammar checks, the functions without ``strict``; none where the
+    answer is response_format JSON, which such a call's layout would be read out of."""
+    if (response_format or {}).get("type", "text") != "text":
+        return []
+    return [t["function"]["name"] for t in tools or [] if not t["function"].get("strict")]
+
+
 def guided_kind(name: str, value: Any) -> tuple[str, Any, str]:
     """One guided field as (kind, its value, the parameter errors name): ``guided_regex`` is
     ("regex", value, "guided_regex"); ``structured_outputs`` holds one kind, set (not null or false),

@@ -36,7 +36,7 @@ from decoding.params import (
 from gateway.backends import Delta, Generation, Job, LogprobEntry, PromptLogprobs
 from gateway.detokenize import IncrementalDetokenizer, StopMatcher, token_texts
 from gateway.errors import bad_request
-from gateway.grammars import grammar_for, guided_grammar, template_messages
+from gateway.grammars import grammar_for, guided_grammar, loose_calls, template_messages
 from gateway.tools import ToolCallParser
 
 _DONE = object()  # a pump finished its choice
@@ -248,7 +248,12 @@ class LocalBackend:
         detok = IncrementalDetokenizer(tok, req.prompt_token_ids)
         matcher = StopMatcher(list(job.stops), after=job.min_tokens)
         names = [t["function"]["name"] for t in job.tools or []]  # tool-call text -> tool_calls deltas
-        calls = ToolCallParser(names, job.parallel_tool_calls is not False) if job.calls_tools else None
+        parallel = job.parallel_tool_calls is not False
+        calls = (
+            ToolCallParser(names, parallel, loose_calls(job.tools, job.response_format))
+            if job.calls_tools
+            else None
+        )
         seen = RequestStats(prompt_tokens=len(req.prompt_token_ids))
         returned: list[int] = []  # the completion's token ids as the client gets them (to a stop)
         try:

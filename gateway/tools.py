@@ -2,10 +2,15 @@
 ``<tool_call>`` text (Qwen2.5's, the Hermes format) into OpenAI ``tool_calls`` deltas (the grammar a
 request asks for is ``gateway.grammars``).
 
-Free text (``tool_choice`` "auto") also counts as calls when it opens with plain JSON calls of
-declared tools, bare or in a ``` fence: small models (Qwen2.5-Coder-1.5B) often answer so instead of
-with the tags. Anything else is content, byte for byte: text is held only while it may still become
-such a call's head and goes out as soon as it cannot.
+Two families of layout, each one table: tags around one call anywhere in the text (``TAGS``:
+``<tool_call>``, ``<tools>``), and plain JSON calls of declared tools where they open the output,
+bare or in a wrapper (``WRAPPERS``: a ``` fence, ``<tools>``, Llama 3.x's ``<|python_tag|>``,
+Mistral's ``[TOOL_CALLS]``), one object, several, or a list; ``"parameters"`` counts as
+``"arguments"``. Small models (Qwen2.5-Coder-1.5B) often answer so instead of with the tags. A call
+names a declared tool (where none is declared, only ``<tool_call>`` text is a call), outside
+``<tool_call>`` one no grammar checks (``ToolCallParser``'s ``loose``). Anything else is
+content, byte for byte: text is held only while it may still become such a call's head and goes out
+as soon as it cannot.
 
 The parser streams: a call's first delta carries its index, id and name once the name is complete;
 the ``arguments`` value then streams as fragments of the model's own text, so the fragments of one
@@ -25,6 +30,14 @@ from typing import NamedTuple
 from gateway.backends import ToolCallDelta, new_call_id
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# Tags around one call, anywhere in the text: Qwen2.5's (Hermes') own, and <tools>, which Qwen2.5
+# also writes around a call (seen in a LangChain tool loop, issue 51). Only the first counts where
+# no tool is declared; the others' calls must name a tool ToolCallParser reads loosely.
+TAGS = {OPEN: CLOSE, "<tools>": "</tools>"}
+# Wrappers around plain-JSON calls where they open the output, opener -> closer ("": none): a ```
+# fence (a language may follow it), <tools>, Llama 3.x's <|python_tag|> and Mistral's [TOOL_CALLS]
+# (special tokens, in the text where the detokenizer keeps them; a list of calls may follow).
+WRAPPERS = {"```": "```", "<tools>": "</tools>", "<|python_tag|>": "", "[TOOL_CALLS]": ""}
 # `{"name": "<name>", "arguments": ` : the head of a call, name first (as the template and the
 # grammar write it)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -40,7 +53,7 @@ class BareHead(NamedTuple):
 
     at: int
     name: str
-    fence: bool  # a ``` fence opened before the call
+    closer: str  # what closes the wrapper opened before the call ("": none opened, or it has none)
     listed: bool  # a [ list opened before the call
 
 
@@ -66,11 +79,19 @@ def _lit(text: str, i: int, *lits: str) -> int:
     return MORE if any(lit.startswith(text[i:]) for lit in lits) else NO
 
 
-def bare_head(text: str, names: Collection[str], fence: bool, listed: bool) -> BareHead | int:
+def _opener(text: str, i: int) -> str | int:
+    """The wrapper (``WRAPPERS``) opening at ``text[i:]``, MORE if text ends inside one, else NO."""
+    for opener in WRAPPERS:
+        if text.startswith(opener, i):
+            return opener
+    return MORE if any(o.startswith(text[i:]) for o in WRAPPERS) else NO
+
+
+def bare_head(text: str, names: Collection[str], wrapped: bool, listed: bool) -> BareHead | int:
     """The head of a call written as plain JSON at the start of ``text``: a BareHead, MORE or NO.
 
-    ``[```json] [[] {"name": "<declared>", "arguments": {`` with whitespace between (in a list
-    already open ``, {...``; in a fence already open, no new fence). The arguments stream from the
+    ``[wrapper] [[] {"name": "<declared>", "arguments": {`` with whitespace between (in a list
+    already open ``, {...``; in a wrapper already open, no new one). The arguments stream from the
     head on, so the head alone decides: the name first and declared, the arguments an object (as
     OpenAI's always are). ``"parameters"`` counts as ``"arguments"``, as in vLLM's llama3_json
     parser (Llama 3.1 writes it): one more alternative here, and safe after a declared name.
@@ -78,24 +99,27 @@ def bare_head(text: str, names: Collection[str], fence: bool, listed: bool) -> B
     ``regex`` module's ``partial=True`` would be a new dependency for a dozen tokens).
     """
     i = _ws(text, 0)
-    opened_fence = opened_list = False
+    closer, opened_list = "", False
     if listed:
         i = _lit(text, i, ",")
         if i < 0:
             return i
-    elif not fence and text.startswith("`", i):
-        i = _lit(text, i, "```")
-        if i < 0:
-            return i
-        j = i
-        while j < len(text) and text[j].isalnum():
-            j += 1
-        lang = text[i:j].lower()
-        if j == len(text):
-            return MORE if "json".startswith(lang) else NO
-        if lang not in ("", "json"):
-            return NO
-        i, opened_fence = j, True
+    elif not wrapped and i < len(text):
+        opener = _opener(text, i)
+        if opener == MORE:
+            return MORE
+        if isinstance(opener, str):
+            i, closer = i + len(opener), WRAPPERS[opener]
+        if opener == "```":
+            j = i
+            while j < len(text) and text[j].isalnum():
+                j += 1
+            lang = text[i:j].lower()
+            if j == len(text):
+                return MORE if "json".startswith(lang) else NO
+            if lang not in ("", "json"):
+                return NO
+            i = j
     i = _ws(text, i)
     if not listed and text.startswith("[", i):
         i, opened_list = i + 1, True
@@ -117,7 +141,7 @@ def bare_head(text: str, names: Collection[str], fence: bool, listed: bool) -> B
     i = _ws(text, i)
     if i == len(text):
         return MORE
-    return BareHead(i, name, opened_fence, opened_list) if text[i] == "{" else NO
+    return BareHead(i, name, closer, opened_list) if text[i] == "{" else NO
 
 
 def _arguments(value: object) -> str | None:
@@ -143,21 +167,29 @@ class ToolCallParser:
 
     ``names``: the request's declared tools, without which only ``<tool_call>`` text is a call;
     ``parallel``: whether the output may hold more calls than the first (False: the request's
-    ``parallel_tool_calls`` is false, and text after the first call is content, tagged or not).
+    ``parallel_tool_calls`` is false, and text after the first call is content, tagged or not);
+    ``loose``: the tools whose calls are read in the other layouts too (default: all of ``names``).
+    A grammar checks calls only in its own ``<tool_call>`` layout (``gateway.grammars``), so a strict
+    function's call elsewhere, or an answer in a response_format's JSON, would skip its checks.
     """
 
-    def __init__(self, names: Collection[str] = (), parallel: bool = True) -> None:
+    def __init__(
+        self, names: Collection[str] = (), parallel: bool = True, loose: Collection[str] | None = None
+    ) -> None:
         self.names = frozenset(names)
+        self.loose = self.names if loose is None else frozenset(loose) & self.names
         self.parallel = parallel
         # lead (a plain-JSON call may still open the output, or follow one) | content | head | args
         # | tail (a tagged call's end) | after (a plain-JSON call's end)
-        self.state = "lead" if self.names else "content"
+        self.state = "lead" if self.loose else "content"
         self.buf = ""  # text not yet decided on
         self.spaces = ""  # whitespace the output opens with: kept before content, dropped before a call
         self.spoken = False  # content other than whitespace since the last call (or the start)
         self.calls = 0
         self.bare = False  # the call in progress is plain JSON: it ends with its object, not a tag
-        self.fence = False  # plain-JSON calls: inside a ``` fence
+        self.closer = ""  # plain-JSON calls: what closes the wrapper they are in ("": none)
+        self.tags = TAGS if self.loose else {OPEN: CLOSE}
+        self.open, self.close = OPEN, CLOSE  # the tags of the tagged call in progress
         self.listed = False  # plain-JSON calls: inside a [ list
         self.depth = 0  # arguments: JSON nesting depth
         self.in_string = False
@@ -214,13 +246,13 @@ class ToolCallParser:
         if not self.calls:
             self.spaces += self.buf[: len(self.buf) - len(stripped)]
         self.buf = stripped
-        head = bare_head(self.buf[:HEAD_MAX], self.names, self.fence, self.listed)
+        head = bare_head(self.buf[:HEAD_MAX], self.loose, bool(self.closer), self.listed)
         if head == MORE and len(self.buf) < HEAD_MAX:
             return False
         if not isinstance(head, BareHead):  # not a call: the text held goes out as it came
             self.state = "content"
             return True
-        self.fence, self.listed = self.fence or head.fence, self.listed or head.listed
+        self.closer, self.listed = self.closer or head.closer, self.listed or head.listed
         self.buf = self.buf[head.at :]
         self._open(head.name, calls, bare=True)
         return True
@@ -230,41 +262,57 @@ class ToolCallParser:
             self._content_text(self.buf, content)
             self.buf = ""
             return False
-        at = self.buf.find(OPEN)
-        if at < 0:
-            keep = _held(self.buf, OPEN)
+        found = [(at, tag) for tag in self.tags if (at := self.buf.find(tag)) >= 0]
+        if not found:
+            keep = max(_held(self.buf, tag) for tag in self.tags)
             self._content_text(self.buf[: len(self.buf) - keep], content)
             self.buf = self.buf[len(self.buf) - keep :]
             return False
+        at, tag = min(found)
         self._content_text(self.buf[:at], content)
         self.spaces = ""
-        self.buf = self.buf[at + len(OPEN) :]
+        self.buf = self.buf[at + len(tag) :]
+        self.open, self.close = tag, self.tags[tag]
         self.state = "head"
         return True
 
     def _head(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
+        stripped = self.buf.lstrip(_WS)
+        if stripped and stripped[0] != "{":  # no object follows the tag: no call, none to wait for
+            self._content_text(self.open + self.buf[: len(self.buf) - len(stripped)], content)
+            self.buf, self.state = stripped, "content"
+            return True
         m = _HEAD.match(self.buf)
-        close = self.buf.find(CLOSE)
+        close = self.buf.find(self.close)
         if m is not None and (close < 0 or m.end() <= close):
-            # the arguments stream from here only as an object; any other value (a string holding
-            # the object's JSON, null, a number) is parsed whole at the close (_fallback)
+            # the arguments stream from here only as an object of a declared tool; anything else (a
+            # string holding the object's JSON, null, a number, another name) is judged whole at
+            # the close (_fallback)
             value = self.buf[m.end() :].lstrip(_WS)
-            if value.startswith("{"):
-                try:
-                    name = json.loads(f'"{m.group(1)}"')
-                except ValueError:
-                    name = m.group(1)
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                name = m.group(1)
+            if value.startswith("{") and self._declared(name):
                 self.buf = self.buf[m.end() :]
                 self._open(name, calls, bare=False)
                 return True
             if not value or close < 0:
                 return False
         if close >= 0:  # a call in another layout (arguments first, ...): parse it whole
-            self._fallback(self.buf[:close], content, calls)
-            self.buf = self.buf[close + len(CLOSE) :]
+            self._fallback(self.buf[:close], content, calls, closed=True)
+            self.buf = self.buf[close + len(self.close) :]
             self.state = "content"
             return True
         return False
+
+    def _declared(self, name: str) -> bool:
+        """Whether the tagged call in progress, of ``name``, is one: in ``<tool_call>``, any name
+        where no tool is declared, else a declared one (issue 51: nothing naming no declared tool
+        becomes a call); in the other tags, a ``loose`` one."""
+        if self.open != OPEN:
+            return name in self.loose
+        return not self.names or name in self.names
 
     def _open(self, name: str, calls: list[ToolCallDelta], bare: bool) -> None:
         calls.append(ToolCallDelta(self.calls, "", new_call_id(), name))
@@ -319,19 +367,19 @@ class ToolCallParser:
         return -1
 
     def _tail(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
-        close = self.buf.find(CLOSE)
+        close = self.buf.find(self.close)
         if close < 0:
-            keep = max(_held(self.buf, CLOSE), 0)
+            keep = max(_held(self.buf, self.close), 0)
             self.buf = self.buf[len(self.buf) - keep :] if keep else ""
             return False
-        self.buf = self.buf[close + len(CLOSE) :]
+        self.buf = self.buf[close + len(self.close) :]
         self.state = "content"
         return True
 
     def _after(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
         """A plain-JSON call's end: the rest of its object (keys after the arguments are dropped),
-        the ``]`` and the fence that close it; then another call (if parallel calls are allowed
-        and the text may be one) or content."""
+        the ``]`` and the wrapper's closer that close it; then another call (if parallel calls are
+        allowed and the text may be one) or content."""
         if self.depth > 0:
             end = self._walk(self.buf, 0)
             self.buf = "" if end < 0 else self.buf[end:]
@@ -341,14 +389,14 @@ class ToolCallParser:
             self.buf = self.buf.lstrip(_WS)
             if self.listed and self.buf.startswith("]"):
                 self.buf, self.listed = self.buf[1:], False
-            elif not self.listed and self.fence and self.buf.startswith("```"):
-                self.buf, self.fence = self.buf[3:], False
-            elif not self.buf or (not self.listed and self.fence and "```".startswith(self.buf)):
+            elif not self.listed and self.closer and self.buf.startswith(self.closer):
+                self.buf, self.closer = self.buf[len(self.closer) :], ""
+            elif not self.buf or (not self.listed and self.closer and self.closer.startswith(self.buf)):
                 return False
             else:
                 break
         if (
-            not self.fence
+            not self.closer
             and not self.listed
             and "```".startswith(self.buf[:3])
             and not self.buf[3:].strip(_WS)
@@ -357,17 +405,26 @@ class ToolCallParser:
             # answering a tool result): held while nothing else follows it, and dropped at the end
             return False
         # may the text be another call: a list's next item, a fence's next object, anything after
-        another = self.buf[0] == "," if self.listed else not self.fence or self.buf[0] in "{["
+        another = self.buf[0] == "," if self.listed else not self.closer or self.buf[0] in "{["
         self.state = "lead" if another and self.parallel else "content"
         return True
 
-    def _fallback(self, body: str, content: list[str], calls: list[ToolCallDelta], cut: bool = False) -> None:
+    def _fallback(
+        self,
+        body: str,
+        content: list[str],
+        calls: list[ToolCallDelta],
+        cut: bool = False,
+        closed: bool = False,
+    ) -> None:
+        """A tagged call's whole ``body`` (``closed``: its closing tag followed it) as a call, or
+        where it is none, as the text it came as, tags included; ``cut``: see ``flush``."""
         try:
             call = json.loads(body)
         except ValueError:
             call = None
         args = None
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and self._declared(call["name"]):
             args = _arguments(call.get("arguments", call.get("parameters")))
         if args is not None:
             calls.append(ToolCallDelta(self.calls, "", new_call_id(), call["name"]))
@@ -375,4 +432,4 @@ class ToolCallParser:
             self.calls += 1
             self.spoken = False
         elif not cut:  # not a call after all: the text goes out as it came
-            self._content_text(OPEN + body, content)
+            self._content_text(self.open + body + (self.close if closed else ""), content)

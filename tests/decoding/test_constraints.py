@@ -296,7 +296,7 @@ def test_prediction_is_lossless_and_drafts_from_the_prediction(tiny_models):
     out, stats, _ = engine.generate(req)
     assert out == plain
     assert stats.drafter == "prediction"
-    assert stats.mean_accepted_per_step > 4
+    assert stats.tokens_per_step > 4
 
 
 @pytest.mark.slow
@@ -369,4 +369,4 @@ def test_real_pair_predicted_outputs_beat_prompt_lookup_on_a_code_edit(real_pair
         )  # fmt: skip
         runs[name] = engine.generate(req)
     assert runs["prediction"][0] == runs["none"][0] == runs["ngram"][0]
-    assert runs["prediction"][1].mean_accepted_per_step > runs["ngram"][1].mean_accepted_per_step
+    assert runs["prediction"][1].tokens_per_step > runs["ngram"][1].tokens_per_step

@@ -42,6 +42,10 @@ def test_chat_non_streamed(client: openai.OpenAI) -> None:
     assert r.usage is not None and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     spec = r.usage.model_extra["speculative"]  # type: ignore[index]
     assert spec["drafter"] == "draft" and spec["steps"] >= 1
+    assert spec["tokens_per_step"] == round(r.usage.completion_tokens / spec["steps"], 4)
+    assert spec["mean_accepted_per_step"] == spec["tokens_per_step"]  # deprecated alias
+    per_spec = spec["accepted_tokens"] / spec["spec_steps"] if spec["spec_steps"] else 0.0
+    assert spec["accepted_tokens_per_spec_step"] == round(per_spec, 4)
 
 
 def test_greedy_stream_equals_non_stream(client: openai.OpenAI) -> None:

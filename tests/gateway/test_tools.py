@@ -16,7 +16,7 @@ from decoding.grammar import ll_tokenizer, matcher
 from decoding.tiny import byte_tokenizer
 from gateway.app import create_app
 from gateway.backends import ToolCallDelta
-from gateway.grammars import grammar_for, tool_grammar
+from gateway.grammars import grammar_for, loose_calls, tool_grammar
 from gateway.remote import _Calls
 from gateway.settings import load_settings
 from gateway.tools import ToolCallParser
@@ -29,9 +29,12 @@ TWO_CALLS = (
 
 
 def parse(
-    pieces: list[str], names: Collection[str] = (), parallel: bool = True
+    pieces: list[str],
+    names: Collection[str] = (),
+    parallel: bool = True,
+    loose: Collection[str] | None = None,
 ) -> tuple[str, list[tuple[str, str]], list[ToolCallDelta]]:
-    p = ToolCallParser(names, parallel)
+    p = ToolCallParser(names, parallel, loose)
     content, deltas = "", []
     for piece in [*pieces, None]:
         text, calls = p.flush() if piece is None else p.feed(piece)
@@ -72,7 +75,7 @@ def test_arguments_first_layout_falls_back_to_a_whole_parse_and_garbage_stays_te
     _, calls, _ = parse(['<tool_call>{"arguments": {"q": 1}, "name": "f"}</tool_call>'])
     assert calls == [("f", '{"q": 1}')]
     content, calls, _ = parse(["<tool_call>not json</tool_call>"])
-    assert content == "<tool_call>not json" and calls == []
+    assert content == "<tool_call>not json</tool_call>" and calls == []  # as it came, both tags
 
 
 @pytest.mark.parametrize(
@@ -239,6 +242,19 @@ PLAIN_CALLS: dict[str, tuple[str, list[tuple[str, str]]]] = {  # text -> (conten
     f"```json\n{W}\n```\nThis looks up the weather.\n": ("This looks up the weather.\n", [W_CALL]),
     f"{W}\n<tool_call>\n{A}\n</tool_call>": ("", [W_CALL, A_CALL]),
     f"{W}\n```python\nx = 1\n```": ("```python\nx = 1\n```", [W_CALL]),  # code after the call: content
+    # the wrappers models write (issue 51): <tools> (Qwen2.5 in a LangChain tool loop), Llama 3.x's
+    # <|python_tag|> with "parameters", Mistral's [TOOL_CALLS] list
+    '<tools>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tools>': (
+        "",
+        [("get_weather", '{"city": "Oslo"}')],
+    ),
+    f"<tools>\n{W}\n{A}\n</tools>": ("", [W_CALL, A_CALL]),
+    f"<tools>[{W}, {A}]</tools>\nDone.": ("Done.", [W_CALL, A_CALL]),
+    f"<tools>\n{W}\n</tools>\n<tools>\n{A}\n</tools>": ("", [W_CALL, A_CALL]),
+    '<|python_tag|>{"name": "add", "parameters": {"a": 1}}': ("", [("add", '{"a": 1}')]),
+    f"<|python_tag|>{A}\n<|python_tag|>{W}": ("", [A_CALL, W_CALL]),
+    f"[TOOL_CALLS] [{W}, {A}]": ("", [W_CALL, A_CALL]),
+    f"[TOOL_CALLS][{A}]\nThat adds them.": ("That adds them.", [A_CALL]),
 }
 
 NOT_CALLS = [  # content, byte for byte
@@ -262,9 +278,35 @@ NOT_CALLS = [  # content, byte for byte
     "   ",
     "",
     "{" + " " * 600 + '"name": "add", "arguments": {}}',  # past the longest head held back
+    '<tools>\n{"name": "get_time", "arguments": {}}\n</tools>',  # wrapped, but not a declared tool
+    '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]',
+    '<|python_tag|>print("hi")',
+    "<tools> is where the tool list goes.",
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',  # tagged, undeclared
+    "[TOOL_CALL",
+    "<tools",
 ]
 
-TAGGED = [TWO_CALLS, f"Let me check.\n{TWO_CALLS}\n\nDone.\n\nBye", "<tool_call>not json</tool_call> \n x"]
+TAGGED = [
+    TWO_CALLS,
+    f"Let me check.\n{TWO_CALLS}\n\nDone.\n\nBye",
+    "<tool_call>not json</tool_call> \n x",
+    f"Let me check.\n<tools>\n{A}\n</tools>\nDone.",
+    'See <tools>{"name": "get_time", "arguments": {}}</tools> ok <tools> and <tool_call> x',
+]
+
+
+def test_tags_after_content_read_as_qwens_own_and_name_declared_tools() -> None:
+    content, calls, _ = parse([f"Let me check.\n<tools>\n{A}\n</tools>\nDone."], NAMES)
+    assert content == "Let me check.\nDone." and calls == [A_CALL]
+    # where no tool is declared, only Qwen2.5's own tag is a call
+    text = f"Let me check.\n<tools>\n{A}\n</tools>"
+    assert parse([text])[:2] == (text, [])
+    # a tagged call of a tool the request did not declare is the text it was, tags included
+    text = 'See <tools>{"name": "get_time", "arguments": {}}</tools> ok'
+    assert parse([text], NAMES)[:2] == (text, [])
+    assert parse(['<tool_call>{"name": "get_time"}</tool_call>'], NAMES)[1] == []
+    assert parse(['<tool_call>{"name": "get_time"}</tool_call>'])[1] == [("get_time", "{}")]
 
 
 def cuttings(text: str) -> list[list[str]]:
@@ -341,9 +383,19 @@ def scripted_app(text: str, step: int = 5, **settings: Any) -> Any:
     return create_app(load_settings(overrides=overrides, env={}), engine=engine)  # type: ignore[arg-type]
 
 
+WRAPPED = {  # how models wrap a call (issue 51), {} for the call's JSON
+    "fence": "```json\n{}\n```",
+    "tools": "<tools>\n{}\n</tools>",
+    "mistral": "[TOOL_CALLS] [{}]",
+    "llama": "<|python_tag|>{}",
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPED))
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])
-async def test_a_fenced_call_through_the_gateway_streamed_and_not(name: str) -> None:
-    text = f'```json\n{{"name": "{name}", "arguments": {{"city": "Paris"}}}}\n```'
+async def test_a_wrapped_call_through_the_gateway_streamed_and_not(name: str, wrap: str) -> None:
+    key = "parameters" if wrap == "llama" else "arguments"
+    text = WRAPPED[wrap].format(f'{{"name": "{name}", "{key}": {{"city": "Paris"}}}}')
     app = scripted_app(f"{text}<END>", 3)
     body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                             "tools": [WEATHER], "stop": ["<END>"]}  # fmt: skip
@@ -514,3 +566,41 @@ def test_a_fence_closing_an_unfenced_call_is_no_content(parallel: bool, tail: st
     assert parse([f"{W}\n```py\nx\n```"], NAMES, parallel)[:2] == ("```py\nx\n```", [W_CALL])
     if parallel:
         assert parse([f"{W}\n```json\n{A}\n```"], NAMES)[:2] == ("", [W_CALL, A_CALL])
+
+
+def test_calls_a_grammar_checks_are_read_only_in_its_tags() -> None:
+    for text in (W, f"```json\n{W}\n```", f"<tools>\n{W}\n</tools>", f"[TOOL_CALLS] [{W}]"):
+        assert parse([text], NAMES, loose=["add"])[:2] == (text, [])  # get_weather: strict, say
+        assert parse([text.replace(W, A)], NAMES, loose=["add"])[1] == [A_CALL]
+    assert parse([f"<tool_call>\n{W}\n</tool_call>"], NAMES, loose=[])[1] == [W_CALL]
+    text = f"<tools>\n{W}\n</tools>\n<tools>\n{A}\n</tools>"
+    whole = parse([text], NAMES, loose=["add"])[:2]
+    assert whole == (f"<tools>\n{W}\n</tools>\n", [A_CALL])
+    assert all(parse(pieces, NAMES, loose=["add"])[:2] == whole for pieces in cuttings(text))
+    strict = {"type": "function", "function": {"name": "get_weather", "strict": True}}
+    loose = {"type": "function", "function": {"name": "add"}}
+    assert loose_calls([strict, loose], None) == ["add"]
+    assert loose_calls([strict, loose], {"type": "text"}) == ["add"]
+    assert loose_calls([loose], {"type": "json_object"}) == []  # the answer is JSON: only tags are calls
+
+
+@pytest.mark.parametrize("strict", [False, True])
+async def test_text_a_strict_functions_grammar_let_through_is_no_call(strict: bool) -> None:
+    """tool_choice auto with a strict function: the grammar checks calls in its own ``<tool_call>``
+    layout and lets other text through unchecked, so a plain-JSON call there (arguments against the
+    schema) stays content; without strict there is no grammar and it is read as a call."""
+    text = '{"name": "get_weather", "arguments": {"city": 5}}'
+    tool = {"type": "function", "function": {**WEATHER["function"], "strict": strict}}
+    app = scripted_app(f"{text}<END>", 3)
+    body = {
+        "model": "fake",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [tool],
+        "stop": ["<END>"],
+    }
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        message = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+    if strict:
+        assert message["content"] == text and "tool_calls" not in message
+    else:
+        assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
