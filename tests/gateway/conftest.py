@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -96,6 +96,17 @@ def stop_server(server: Server) -> None:
         server.proc.wait(10)
 
 
+def start_roomy_server(tmp: Path) -> Server:
+    """The tiny models with room for tool definitions in the prompt (the byte tokenizer spends a
+    token per byte), keys on, no response cache."""
+    models = [{**m, "max_context": 2048} for m in TINY_MODELS]
+    return start_server(
+        tmp,
+        {"models": models, "cache": {"enabled": False}, "limits": {"max_max_tokens": 512}},
+        env={"SPECGATE_API_KEYS": API_KEY},
+    )
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """API keys from the environment (SPECGATE_API_KEYS), small limits so refusals are cheap to hit."""
@@ -115,3 +126,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture
 def headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[Any]:
+    """The official SDK against the module's ``server`` (modules testing an app in process define
+    their own ``client``)."""
+    import openai
+
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:  # its sockets closed
+        yield c

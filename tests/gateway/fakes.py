@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.errors import EngineOverloaded, UnknownModel
 from decoding.params import FinishReason, GenerationRequest, RequestStats, StepOutput, TokenLogprob
 from decoding.tiny import byte_tokenizer
+from gateway.app import create_app
+from gateway.settings import load_settings
+from tests.servers import serve_in_loop
 
 
 @dataclass
@@ -114,3 +118,29 @@ def _scored(request: GenerationRequest) -> list[TokenLogprob | None] | None:
 def token_ids(text: str) -> list[int]:
     """Byte-level ids of ``text``: one id per UTF-8 byte."""
     return list(byte_tokenizer()(text)["input_ids"])
+
+
+class Turns(ScriptedEngine):
+    """Each request gets the next of ``turns`` (texts), 4 tokens a step, and ends as at end of turn."""
+
+    def __init__(self, turns: list[str]):
+        super().__init__([], finish=FinishReason.STOP)
+        self.turns = list(turns)
+
+    def submit(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
+        ids = token_ids(self.turns.pop(0))
+        self.script = [ids[i : i + 4] for i in range(0, len(ids), 4)]
+        return super().submit(request)
+
+
+@contextlib.asynccontextmanager
+async def serve_turns(turns: list[str]) -> AsyncIterator[tuple[str, Turns]]:
+    """A real server (uvicorn, in this loop) on a ``Turns`` engine: its URL and the engine."""
+    engine = Turns(turns)
+    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
+    url, server, task = await serve_in_loop(app)
+    try:
+        yield url, engine
+    finally:
+        server.should_exit = True
+        await task

@@ -5,18 +5,14 @@ API (the SDK's default model) and on Chat Completions."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
 
-from decoding.params import FinishReason, GenerationRequest, StepOutput
 from decoding.tiny import byte_tokenizer
-from gateway.app import create_app
-from gateway.settings import load_settings
-from tests.gateway.fakes import ScriptedEngine, token_ids
-from tests.servers import serve_in_loop
+from tests.gateway.fakes import Turns, serve_turns
 
 agents = pytest.importorskip("agents")
 
@@ -27,29 +23,10 @@ CALLS = (
 ANSWER = "In Paris it is sunny and 21 C, and the time is 14:05."
 
 
-class Turns(ScriptedEngine):
-    """Each request gets the next of ``turns`` (texts), 4 tokens a step, and ends as at end of turn."""
-
-    def __init__(self, turns: list[str]):
-        super().__init__([], finish=FinishReason.STOP)
-        self.turns = list(turns)
-
-    def submit(self, request: GenerationRequest) -> AsyncGenerator[StepOutput, None]:
-        ids = token_ids(self.turns.pop(0))
-        self.script = [ids[i : i + 4] for i in range(0, len(ids), 4)]
-        return super().submit(request)
-
-
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[str, Turns]]:
-    engine = Turns([CALLS, ANSWER])
-    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
-    url, server, task = await serve_in_loop(app)
-    try:
-        yield url, engine
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_turns([CALLS, ANSWER]) as served:
+        yield served
 
 
 @pytest.mark.parametrize("api", ["responses", "responses_streamed", "chat_completions"])

@@ -7,7 +7,6 @@ echo is as before. lm-evaluation-harness's ``local-completions`` loglikelihood s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,12 +18,6 @@ from decoding.tiny import byte_tokenizer
 from tests.gateway.conftest import API_KEY, Server
 
 PROMPT = "def f(x):\n    return x"  # ASCII: one byte-level token per character
-
-
-@pytest.fixture
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:  # its sockets closed
-        yield c
 
 
 def reference(tiny_models: Any, ids: list[int]) -> list[float]:

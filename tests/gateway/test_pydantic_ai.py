@@ -6,8 +6,6 @@ A call of a function without ``strict`` is scripted in a wrapper models write (i
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
@@ -15,10 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from decoding.tiny import byte_tokenizer
-from gateway.app import create_app
-from gateway.settings import load_settings
-from tests.gateway.test_agents import Turns
-from tests.servers import serve_in_loop
+from tests.gateway.fakes import serve_turns
 
 pydantic_ai = pytest.importorskip("pydantic_ai")
 pai_openai = pytest.importorskip("pydantic_ai.models.openai")
@@ -30,18 +25,6 @@ ANSWER = "It is sunny and 21 C in Oslo."
 class Weather(BaseModel):
     city: str
     temperature_c: int
-
-
-@asynccontextmanager
-async def serve(turns: list[str]) -> AsyncIterator[tuple[str, Turns]]:
-    engine = Turns(turns)
-    app = create_app(load_settings(overrides={"cache": {"enabled": False}}, env={}), engine=engine)  # type: ignore[arg-type]
-    url, server, task = await serve_in_loop(app)
-    try:
-        yield url, engine
-    finally:
-        server.should_exit = True
-        await task
 
 
 def model(client: openai.AsyncOpenAI, api: str) -> Any:
@@ -57,7 +40,7 @@ async def test_an_agent_completes_a_tool_loop(api: str, strict: bool) -> None:
     # back as content; a strict function's call is checked by a grammar that writes Qwen2.5's tags
     tag = "tool_call" if strict else "tools"
     call = f'<{tag}>\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}\n</{tag}>'
-    async with serve([call, ANSWER]) as (url, engine):
+    async with serve_turns([call, ANSWER]) as (url, engine):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         called: list[str] = []
         agent = pydantic_ai.Agent(model(client, api), instructions="Answer with the tools.")
@@ -81,7 +64,7 @@ async def test_an_agent_with_an_output_type_gets_its_structured_result(api: str)
     # pydantic-ai asks for a strict call of final_result (tool_choice required): a grammar writes it,
     # in Qwen2.5's tags, which the scripted engine writes for it here
     call = '<tool_call>\n{"name": "final_result", "arguments": {"city": "Oslo", "temperature_c": 21}}\n</tool_call>'
-    async with serve([call]) as (url, engine):
+    async with serve_turns([call]) as (url, engine):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         agent = pydantic_ai.Agent(model(client, api), output_type=Weather)
         result = await agent.run("Weather in Oslo, as data.")

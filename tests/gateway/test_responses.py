@@ -22,7 +22,7 @@ from gateway.backends import Delta, Generation, Job
 from gateway.response_events import ResponsesFormat
 from gateway.settings import load_settings
 from gateway.tools import ToolCallParser
-from tests.gateway.conftest import API_KEY, TINY_MODELS, Server, start_server, stop_server
+from tests.gateway.conftest import API_KEY, Server, start_roomy_server, stop_server
 from tests.gateway.fakes import ScriptedEngine, token_ids
 from tests.servers import UNHURRIED_REDIS, RedisProcess, serve_in_loop
 
@@ -390,20 +390,9 @@ async def test_a_fault_after_the_200_ends_the_stream_with_response_failed(script
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    models = [{**m, "max_context": 2048} for m in TINY_MODELS]
-    s = start_server(
-        tmp_path_factory.mktemp("responses"),
-        {"models": models, "cache": {"enabled": False}, "limits": {"max_max_tokens": 512}},
-        env={"SPECGATE_API_KEYS": API_KEY},
-    )
+    s = start_roomy_server(tmp_path_factory.mktemp("responses"))
     yield s
     stop_server(s)
-
-
-@pytest.fixture
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:
-        yield c
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -12,12 +12,6 @@ import pytest
 from tests.gateway.conftest import API_KEY, Server
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
-
-
-@pytest.fixture
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:  # its sockets closed
-        yield c
 
 
 @pytest.fixture

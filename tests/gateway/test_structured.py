@@ -9,10 +9,9 @@ from typing import Any, Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from tests.gateway.conftest import API_KEY, TINY_MODELS, Server, start_server, stop_server
+from tests.gateway.conftest import API_KEY, Server, start_roomy_server, stop_server
 
 USER = [{"role": "user", "content": "Give me the record."}]
 SCHEMAS: list[dict[str, Any]] = [
@@ -78,22 +77,9 @@ ADD = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The tiny models with room for tool definitions in the prompt (the byte tokenizer spends a
-    token per byte)."""
-    models = [{**m, "max_context": 2048} for m in TINY_MODELS]
-    s = start_server(
-        tmp_path_factory.mktemp("structured"),
-        {"models": models, "cache": {"enabled": False}, "limits": {"max_max_tokens": 512}},
-        env={"SPECGATE_API_KEYS": API_KEY},
-    )
+    s = start_roomy_server(tmp_path_factory.mktemp("structured"))
     yield s
     stop_server(s)
-
-
-@pytest.fixture
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:  # its sockets closed
-        yield c
 
 
 def spec(mode: str) -> dict[str, Any]:
