@@ -170,3 +170,29 @@ def test_grammar_and_logit_bias_on_the_padded_pair_are_the_targets(pair, mode):
     assert g_spec == g_off and stats.drafted > 0
     assert all(t < TOKENS for t in g_off)  # the grammar allows no padding id
     pair["big"].tokenizer.decode(g_off)
+
+
+def test_greedy_speculation_on_llamacpp_is_token_identical(pair, tmp_path):
+    """The pair on llama.cpp, which refuses a token id past its vocabulary: the target's padding ids
+    reach the draft as ids it has."""
+    pytest.importorskip("llama_cpp")
+    from decoding.llamacpp import GGUFInfo, LlamaCppModel
+    from decoding.sequence import LoadedModel
+    from tests.decoding.tiny_gguf import write_gguf
+
+    models = {}
+    for name, draft in (("big", "small"), ("small", None)):
+        t = pair[name]
+        llama = LlamaCppModel(write_gguf(t, tmp_path / f"{name}.gguf"), 512, 2, repack=False, kv_type="f32")
+        m = LoadedModel(name, GGUFInfo(llama, t.model.config), t.tokenizer, draft, max_context=512)  # type: ignore[arg-type]
+        m.runner_factory, m.draft_runner_factory = llama.runner, llama.draft_runner  # type: ignore[assignment]
+        models[name] = m
+    assert models["big"].vocab_size == 320 and models["small"].vocab_size == TOKENS
+    engine = Engine(models)
+    seen_padding = False
+    for i, p in enumerate(PROMPTS[:4]):
+        plain = engine.generate(request(models, p, max_tokens=20 + 4 * i))[0]
+        spec, stats, _ = engine.generate(request(models, p, "draft", 3, max_tokens=20 + 4 * i))
+        assert spec == plain and stats.drafted > 0
+        seen_padding |= any(t >= TOKENS for t in plain)
+    assert seen_padding
