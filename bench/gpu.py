@@ -39,7 +39,7 @@ from decoding.runner import EagerRunner
 from decoding.static import StaticModel, without_split_k
 
 # Qwen2.5-7B and Qwen2.5-0.5B shapes (their config.json), vocabularies included: 152,064 logits beside
-# 151,936, one tokenizer, the target's extra rows padding (decoding.drafters.VocabFit; issue 53).
+# 151,936, one tokenizer, the target's extra rows padding (decoding.vocab.VocabFit; issue 53).
 TARGET = dict(
     hidden_size=3584,
     intermediate_size=18944,

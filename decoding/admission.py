@@ -12,12 +12,13 @@ import torch
 
 from decoding.constraints import Constraint, Shaping, logit_bias_tensor
 from decoding.controller import SpecController
-from decoding.drafters import Drafter, DraftModelDrafter, PredictionDrafter, PromptLookupDrafter, VocabFit
+from decoding.drafters import Drafter, DraftModelDrafter, PredictionDrafter, PromptLookupDrafter
 from decoding.errors import InvalidParameter, PromptTooLong, UnknownModel
 from decoding.grammar import CompiledGrammar, GrammarCompiler, ll_tokenizer, matcher
 from decoding.params import GenerationRequest, GrammarSpec, SpecMode
 from decoding.runner import SequenceRunner, as_ids
 from decoding.sequence import LoadedModel, Sequence, ending_ids
+from decoding.vocab import vocab_fit
 
 # SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
 # the probability is read for free (every op is synchronous) and measured on the real pair it pays
@@ -103,17 +104,6 @@ def drafter_for(
     return DraftModelDrafter(
         factory(draft.model), draft.device, confidence, max_len=draft.max_context, fit=fit
     )
-
-
-def vocab_fit(target: LoadedModel, draft: LoadedModel) -> VocabFit | None:
-    """How ``draft``'s vocabulary sits in ``target``'s (None: the same width, every id a token).
-    The draft proposes only the ids of real tokens that both have rows for; the target's logits stay
-    as they are, padding included, so its distribution is its own (docs/architecture.md, "Draft and
-    target vocabularies")."""
-    shared = min(target.vocab_size, draft.vocab_size, target.token_ids)
-    if target.vocab_size == draft.vocab_size == shared:
-        return None
-    return VocabFit(draft=draft.vocab_size, target=target.vocab_size, shared=shared)
 
 
 def draft_cost_prior(models: dict[str, LoadedModel], target: LoadedModel, drafter: Drafter | None) -> float:

@@ -427,7 +427,7 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
     """Refuse a draft whose vocabulary differs from its target's (tokens would mean different text).
     Logits of different widths are fine where the tokenizers are the same and both widths cover its
     ids: the extra rows are padding no token maps to (Qwen2.5-7B's 152,064 beside the 0.5B's 151,936;
-    ``admission.vocab_fit``)."""
+    ``decoding.vocab``)."""
     tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if tv != dv:
         diff = len(set(tv.items()) ^ set(dv.items()))

@@ -12,13 +12,13 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
-from decoding.admission import vocab_fit
-from decoding.drafters import DraftModelDrafter, VocabFit, propose_many
+from decoding.drafters import DraftModelDrafter, propose_many
 from decoding.engine import Engine
 from decoding.errors import VocabMismatch
 from decoding.loader import check_pair
 from decoding.params import GenerationRequest, GrammarSpec, SamplingParams, SpecMode, SpecParams
 from decoding.verify import verify_sampling
+from decoding.vocab import VocabFit, vocab_fit
 from tests.decoding.test_batch import PROMPTS, run_batch
 
 TOKENS = 259  # the byte tokenizer's ids; tiny-random-padded has 320 logits
