@@ -38,8 +38,8 @@ from decoding.params import GenerationRequest, SamplingParams, SpecMode, SpecPar
 from decoding.runner import EagerRunner
 from decoding.static import StaticModel, without_split_k
 
-# Qwen2.5-7B and Qwen2.5-0.5B shapes (their config.json). The draft takes the target's vocabulary
-# size (152064 vs 151936): a pair must share one, and the 128 extra rows change nothing measurable.
+# Qwen2.5-7B and Qwen2.5-0.5B shapes (their config.json), vocabularies included: 152,064 logits beside
+# 151,936, one tokenizer, the target's extra rows padding (decoding.vocab.VocabFit; issue 53).
 TARGET = dict(
     hidden_size=3584,
     intermediate_size=18944,
@@ -56,7 +56,7 @@ DRAFT = dict(
     num_hidden_layers=24,
     num_attention_heads=14,
     num_key_value_heads=2,
-    vocab_size=152064,
+    vocab_size=151936,
     rope_theta=1e6,
     max_position_embeddings=32768,
     tie_word_embeddings=True,

@@ -76,7 +76,7 @@ class ReplayDrafter(DraftModelDrafter):
     reference continuation, each position kept with probability ``acceptance`` (drawn once)."""
 
     def __init__(self, inner: DraftModelDrafter, reference: torch.Tensor, prompt_len: int):
-        super().__init__(inner.runner, inner.device, 0.0)
+        super().__init__(inner.runner, inner.device, 0.0, fit=inner.fit)
         self.reference = reference  # [NEW + 16] corrupted continuation, on the device
         self.prompt_len = prompt_len
 

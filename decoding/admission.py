@@ -18,6 +18,7 @@ from decoding.grammar import CompiledGrammar, GrammarCompiler, ll_tokenizer, mat
 from decoding.params import GenerationRequest, GrammarSpec, SpecMode
 from decoding.runner import SequenceRunner, as_ids
 from decoding.sequence import LoadedModel, Sequence, ending_ids
+from decoding.vocab import vocab_fit
 
 # SpecParams.draft_confidence when a request leaves it unset, by the draft's device type. On a CPU
 # the probability is read for free (every op is synchronous) and measured on the real pair it pays
@@ -99,7 +100,10 @@ def drafter_for(
     confidence = request.spec.draft_confidence
     if confidence is None:  # a fixed k (adaptive off) stays fixed unless the request says otherwise
         confidence = DRAFT_CONFIDENCE.get(draft.device.type, 0.0) if request.spec.adaptive else 0.0
-    return DraftModelDrafter(factory(draft.model), draft.device, confidence, max_len=draft.max_context)
+    fit = vocab_fit(target, draft)
+    return DraftModelDrafter(
+        factory(draft.model), draft.device, confidence, max_len=draft.max_context, fit=fit
+    )
 
 
 def draft_cost_prior(models: dict[str, LoadedModel], target: LoadedModel, drafter: Drafter | None) -> float:

@@ -19,12 +19,13 @@ from torch.nn.utils.rnn import pad_sequence
 from decoding.params import SamplingParams
 from decoding.runner import SequenceRunner, as_ids, forward_many
 from decoding.sampling import apply_penalties, probs_from_logits, sample
+from decoding.vocab import VocabFit
 
 
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [k'] with k' <= k; may be empty
-    probs: torch.Tensor | None  # [k', V] draft distribution p; None for a deterministic drafter
+    probs: torch.Tensor | None  # [k', V] draft distribution p at the target's width; None: deterministic
 
 
 # Shapes a draft model's logits row [1, V] given the tokens drafted so far in this proposal:
@@ -76,8 +77,11 @@ class DraftModelDrafter:
         device: torch.device,
         min_confidence: float = 0.0,
         max_len: int | None = None,
+        fit: VocabFit | None = None,
     ):
         self.runner = runner
+        # None: the draft's logits are as wide as its target's and every id is a token of both
+        self.fit = fit
         self.device = device
         # the draft's own context (its cache's capacity), which may be shorter than the target's
         self.max_len = max_len
@@ -104,7 +108,14 @@ class DraftModelDrafter:
 
     def catch_up(self, tokens: list[int]) -> None:
         if self.backlog(tokens):
-            self.runner.forward(tokens[self.runner.length : -1], logits=False)
+            self.runner.forward(self.feedable(tokens[self.runner.length : -1]), logits=False)
+
+    def feedable(self, tokens: list[int]) -> list[int]:
+        return tokens if self.fit is None else self.fit.feedable(tokens)
+
+    def narrow(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [..., V_draft] over the ids it may propose (VocabFit.narrow), for an argmax."""
+        return logits if self.fit is None else self.fit.narrow(logits)
 
     def propose(
         self,
@@ -121,6 +132,8 @@ class DraftModelDrafter:
     def _pick(self, row: torch.Tensor, state: _Drafting, last: bool) -> bool:
         """Choose the next draft token from ``row`` [1, V]; False when drafting should stop after it."""
         params = state.params
+        if self.fit is not None:
+            row = self.fit.widen(row)  # [1, V_target]
         row = apply_penalties(row, state.counts, row.new_zeros(0, dtype=torch.long), params)
         if self.shape is not None:  # a host read of the drafted ids: the grammar runs on the CPU
             row = self.shape(row, [int(t) for t in state.drafted])
@@ -233,11 +246,21 @@ def _draft_pass(
     runners: list[SequenceRunner],
     feed: torch.Tensor | list[torch.Tensor] | list[list[int]],
     device: torch.device,
+    fit: VocabFit | None = None,
 ) -> torch.Tensor:
     """Each row's next-token logits after feeding it its tokens (a [B, W] tensor on the device, each
     row's own tensor, or host lists, which go over in one copy): [B, V]. One decode-only step where
     the runners share a batched model (rows padded to one width: the padding lands past each row's
-    length, where nothing reads it), else forward_many."""
+    length, where nothing reads it), else forward_many. ``fit``: the draft's VocabFit, whose
+    ``feedable`` the fed ids pass through (a target's token, or a benchmark's replayed one, may be an
+    id the draft has no row for)."""
+    if fit is not None and fit.target > fit.draft:
+        if isinstance(feed, torch.Tensor):
+            feed = fit.feedable_ids(feed)
+        elif isinstance(feed[0], list):
+            feed = [fit.feedable(f) for f in feed]
+        else:
+            feed = [fit.feedable_ids(f) for f in feed]
     model = getattr(runners[0], "batch_model", None)
     if isinstance(feed, torch.Tensor):
         widths = [int(feed.shape[1])] * len(runners)
@@ -280,7 +303,9 @@ def catch_up_many(items: list[ProposeItem]) -> int:
     todo = []
     for drafter, tokens, k, *_ in items:
         if isinstance(drafter, DraftModelDrafter) and k > 0 and drafter.backlog(tokens):
-            todo.append((drafter.runner, tokens[drafter.runner.length : -1], drafter.device))
+            todo.append(
+                (drafter.runner, drafter.feedable(tokens[drafter.runner.length : -1]), drafter.device)
+            )
     fed = sum(len(t) for _, t, _ in todo)
     while todo:
         budget = getattr(todo[0][0], "prefill_chunk", None) or sum(len(t) for _, t, _ in todo)
@@ -361,8 +386,11 @@ def draft_first(
     if began is not None:
         began.record()
     slots = [r.slot for r in runners]  # type: ignore[attr-defined]
+    fit = drafters[0].fit  # one draft model: the runners share it
+    if fit is not None:
+        fed = fit.feedable_ids(fed)
     logits = model.forward_batch(slots, starts, fed, last_start=last_start)  # type: ignore[union-attr]
-    tokens = logits[:, -1].argmax(-1)  # [B]
+    tokens = drafters[0].narrow(logits[:, -1]).argmax(-1)  # [B]
     if ended is not None:
         ended.record()
     return FirstDrafts({id(d): b for b, d in enumerate(drafters)}, tokens, began, ended)
@@ -401,8 +429,10 @@ def propose_many(items: list[ProposeItem], first: FirstDrafts | None = None) -> 
         if pre is not None and step == 0:
             rows, toks = pre[:, None], pre  # the pass ran ahead; rows are never read when plain
         else:
-            rows = _draft_pass([d.drafter.runner for _, d in live], feed, device)  # [B, V]
-            toks = rows.argmax(-1) if plain else None  # [B]
+            rows = _draft_pass(
+                [d.drafter.runner for _, d in live], feed, device, live[0][1].drafter.fit
+            )  # [B, V]
+            toks = live[0][1].drafter.narrow(rows).argmax(-1) if plain else None  # [B]
         still: list[tuple[int, _Drafting]] = []
         nxt: list[torch.Tensor] = []
         for b, (i, d) in enumerate(live):
@@ -437,10 +467,15 @@ def _lockstep(
     runners = [d.drafter.runner for _, d in live]
     states = [d for _, d in live]
     picked = type(states[0].drafter).picked
+    narrow, fit = states[0].drafter.narrow, states[0].drafter.fit  # one draft model for the batch
     cols: list[torch.Tensor] = []
     fed: torch.Tensor | list[torch.Tensor] | list[list[int]] = feed
     for step in range(states[0].k):
-        chose = first if step == 0 and first is not None else _draft_pass(runners, fed, device).argmax(-1)
+        chose = (
+            first
+            if step == 0 and first is not None
+            else narrow(_draft_pass(runners, fed, device, fit)).argmax(-1)
+        )
         toks = picked(states, step, chose)  # [B]
         cols.append(toks)
         fed = toks[:, None]

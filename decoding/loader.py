@@ -424,13 +424,20 @@ def _eos_ids(model: object, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ..
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft whose vocabulary differs from its target's (tokens would mean different text)."""
-    if target.vocab_size != draft.vocab_size:
-        raise VocabMismatch(target.name, draft.name, f"{target.vocab_size} vs {draft.vocab_size} logits")
+    """Refuse a draft whose vocabulary differs from its target's (tokens would mean different text).
+    Logits of different widths are fine where the tokenizers are the same and both widths cover its
+    ids: the extra rows are padding no token maps to (Qwen2.5-7B's 152,064 beside the 0.5B's 151,936;
+    ``decoding.vocab``)."""
     tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if tv != dv:
         diff = len(set(tv.items()) ^ set(dv.items()))
         raise VocabMismatch(target.name, draft.name, f"{diff} token entries differ")
+    if min(target.vocab_size, draft.vocab_size) < target.token_ids:
+        raise VocabMismatch(
+            target.name,
+            draft.name,
+            f"{target.vocab_size} vs {draft.vocab_size} logits for a tokenizer of {target.token_ids} ids",
+        )
 
 
 def load_all(specs: list[ModelSpec], pull: bool = True) -> dict[str, LoadedModel]:

@@ -54,7 +54,15 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
+        """Its logits' width, which may exceed its tokenizer's ids (rows padding no token maps to)."""
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @functools.cached_property
+    def token_ids(self) -> int:
+        """One past its tokenizer's largest id (its logits' width where it has no tokenizer)."""
+        if self.tokenizer is None:  # benchmarks serve token ids alone
+            return self.vocab_size
+        return max(self.tokenizer.get_vocab().values()) + 1
 
 
 @dataclass

@@ -47,7 +47,12 @@ TINY = {
     # name: (hidden, layers, heads, kv_heads, intermediate, seed)
     "tiny-random": (64, 2, 4, 2, 128, 0),
     "tiny-random-draft": (32, 1, 2, 1, 64, 1),
+    "tiny-random-padded": (64, 2, 4, 2, 128, 0),  # see PADDED
 }
+# name: (the model it extends, its logits). tiny-random with rows past its tokenizer's ids that no
+# token maps to, as Qwen2.5-7B's 152,064 logits beside its 0.5B draft's 151,936 (issue 53): a target
+# tiny-random drafts for, agreeing on every real token. The extra rows are random, so they take mass.
+PADDED = {"tiny-random-padded": ("tiny-random", 320)}
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -68,9 +73,22 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def _padded(model: Qwen2ForCausalLM, vocab: int) -> Qwen2ForCausalLM:
+    """``model`` with ``vocab`` rows of embeddings and logits: its own, then random ones."""
+    config = Qwen2Config.from_dict({**model.config.to_dict(), "vocab_size": vocab})
+    out = Qwen2ForCausalLM(config).eval()
+    state = model.state_dict()
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = state[key]  # [V, hidden]
+        state[key] = torch.cat([w, torch.randn(vocab - w.shape[0], w.shape[1]) * config.initializer_range])
+    out.load_state_dict(state)
+    return out
+
+
 def build(name: str, out_dir: Path) -> Path:
     """Write a deterministic random model ``name`` (see TINY) with the byte tokenizer to ``out_dir``."""
-    hidden, layers, heads, kv, inter, seed = TINY[name]
+    base, vocab = PADDED.get(name, (name, 0))
+    hidden, layers, heads, kv, inter, seed = TINY[base]
     tokenizer = byte_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -90,6 +108,8 @@ def build(name: str, out_dir: Path) -> Path:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).eval()
+        if vocab:
+            model = _padded(model, vocab)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

@@ -46,8 +46,12 @@ def write_gguf(model: LoadedModel, path: Path) -> Path:
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
     special = set(tok.all_special_tokens)
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    # logits past the tokenizer's ids (tiny-random-padded) get placeholders, as llama.cpp's converter
+    # writes Qwen2.5-7B's
+    pads = [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)]
+    w.add_token_list(tokens + pads)
+    w.add_token_types(types + [gguf.TokenType.UNUSED] * len(pads))
     w.add_token_merges(["a b"])
     w.add_eos_token_id(cfg.eos_token_id)
     names = dict(_TOP)
