@@ -114,3 +114,18 @@ def test_tool_parameters_with_local_refs_are_called(served: Server) -> None:
         assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text[:600]
         args = json.loads(call["arguments"])
         assert args["u"] in ("c", "f") and isinstance(args["p"], dict)
+
+
+def test_a_long_prediction_is_encoded_in_pieces_cut_after_newlines() -> None:
+    from decoding.tiny import byte_tokenizer
+    from gateway.local import PIECE_CHARS, encode_in_pieces
+
+    tok = byte_tokenizer()
+    text = "x = f(y) * 2\n" * (3 * PIECE_CHARS // 13) + "tail without a newline" * 2000
+    calls: list[str] = []
+    encode = tok.encode
+    tok.encode = lambda t, **kw: calls.append(t) or encode(t, **kw)  # type: ignore[method-assign]
+    ids = encode_in_pieces(tok, text)
+    assert ids == encode(text, add_special_tokens=False)  # a byte tokenizer: no edge effects at all
+    assert len(calls) > 3 and all(len(c) <= PIECE_CHARS for c in calls)
+    assert all(c.endswith("\n") for c in calls[:2])
