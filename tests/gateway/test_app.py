@@ -111,6 +111,7 @@ def test_prediction_found_counts_matching_tokens_in_order() -> None:
     assert prediction_found([1, 2, 3, 4, 5], [1, 2, 9, 4, 5, 6]) == 4
     assert prediction_found([3, 2, 1], [1, 2, 3]) == 1  # in order: one of them
     assert prediction_found([7, 7], []) == 0 and prediction_found([], [1]) == 0
+    assert prediction_found([1, 2, 3] + [9] * 1_000_000, [1, 2, 3]) == 3  # a long one's head, not all of it
 
 
 async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing() -> None:
