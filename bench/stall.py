@@ -174,6 +174,9 @@ def render(result: dict[str, Any], header: str, commit: str) -> str:
         "|---|---|---|---|---|",
     ]
     for name, answer, latency, gap in result["rows"]:
+        if answer.startswith("no answer"):  # the streams died with the server: no gap to report
+            out.append(f"| {name} | {answer} | {latency:.2f} | - | - |")
+            continue
         ratio = gap / result["baseline_gap_s"]
         out.append(f"| {name} | {answer} | {latency:.2f} | {gap * 1000:.0f} | {ratio:.1f}x |")
     return "\n".join(out) + "\n"
