@@ -31,6 +31,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="GPU: fewer tokens, k values and N")
     args = ap.parse_args()
     ran = []
+    from bench import stall  # the tiny model: every machine
+
+    stall.main([])
+    ran.append("stall")
     if torch.cuda.is_available():
         from bench import gpu
 

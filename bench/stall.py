@@ -129,11 +129,11 @@ async def run(url: str, baseline_s: float) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gateway-root", type=Path, default=ROOT)
     ap.add_argument("--baseline-s", type=float, default=10.0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="stall-bench-"))
     config = {"models": TINY, "cache": {"enabled": False}, "limits": {"max_body_bytes": 2_000_000, "max_n": 8,
               "max_active": 16}}  # fmt: skip
@@ -155,13 +155,15 @@ def main() -> None:
     finally:
         gw.terminate()
         gw.wait(30)
-    write_section(f"stall-{commit}" if args.gateway_root != ROOT else "stall", render(result, header, commit))
+    other = commit if args.gateway_root != ROOT else None
+    write_section(f"stall-{commit}" if other else "stall", render(result, header, other))
 
 
-def render(result: dict[str, Any], header: str, commit: str) -> str:
+def render(result: dict[str, Any], header: str, other: str | None) -> str:
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     out = [
-        f"## Streams' pace while costly grammars and predictions are prepared (gateway at {commit})",
+        "## Streams' pace while costly grammars and predictions are prepared"
+        + (f" (gateway at {other}, for comparison)" if other else ""),
         "",
         header,
         f"CPU kind: {cpu_kind()}. Load average (1/5/15 min) at the end: {load}.",
