@@ -240,7 +240,8 @@ class GrammarLimits:
 
 
 def check_size(spec: GrammarSpec, limits: GrammarLimits) -> None:
-    """The limits a grammar's text can be held to before llguidance sees it; ``InvalidParameter``."""
+    """The grammar's size within the limits, or ``InvalidParameter``: checked where the request
+    arrives (one C-speed pass over its text)."""
     size = len(spec.text.encode("utf-8"))
     if size > limits.max_bytes:
         raise InvalidParameter(
@@ -248,6 +249,11 @@ def check_size(spec: GrammarSpec, limits: GrammarLimits) -> None:
             "(limits.max_grammar_bytes).",
             spec.param,
         )
+
+
+def check_depth(spec: GrammarSpec, limits: GrammarLimits) -> None:
+    """A JSON schema's nesting within the limits, or ``InvalidParameter``: checked on the compile
+    thread, as its scan is Python's (~20 ms for the largest grammar allowed)."""
     if spec.kind == "json_schema":  # parsed by Python's recursive parser (Lark's %json on the deep stack)
         depth = json_depth(spec.text)
         if depth > limits.max_depth:
@@ -363,7 +369,8 @@ class GrammarCompiler:
         self, key: str, spec: GrammarSpec, build: Callable[[GrammarSpec], Any]
     ) -> concurrent.futures.Future[CompiledGrammar]:
         """The compiled grammar for ``spec`` under ``key`` (the model), as a future: ``build`` makes
-        the matcher (``matcher`` with the model's tokenizer). Size limits are checked here, at once."""
+        the matcher (``matcher`` with the model's tokenizer). The size limit is checked here, at once;
+        the depth limit on the compile thread, before the compile."""
         check_size(spec, self.limits)
         k = (key, spec)
         with self._lock:
@@ -380,6 +387,7 @@ class GrammarCompiler:
 
         def job() -> None:
             try:
+                check_depth(spec, self.limits)
                 compiled = CompiledGrammar(spec, build(spec))
             except BaseException as exc:
                 with self._lock:

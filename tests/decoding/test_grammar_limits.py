@@ -131,7 +131,7 @@ def test_a_compile_past_the_timeout_is_a_400_naming_the_parameter() -> None:
 def test_limits_refuse_before_any_work(spec: GrammarSpec, limits: GrammarLimits, words: str) -> None:
     compiler = GrammarCompiler(limits)
     with pytest.raises(InvalidParameter) as err:
-        compiler.compile("m", spec, lambda s: pytest.fail("compiled past a limit"))
+        compiler.wait(spec, compiler.compile("m", spec, lambda s: pytest.fail("compiled past a limit")))
     assert err.value.param == spec.param and words in str(err.value)
 
 
