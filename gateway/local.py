@@ -109,17 +109,14 @@ class LocalBackend:
     def _requests(self, job: Job, prompts: list[tuple[list[int], str]]) -> list[GenerationRequest]:
         context = self.engine.max_context(job.model)
         bias = tuple((int(t), b) for t, b in (job.logit_bias or {}).items())
-        try:
-            grammar = (
-                guided_grammar(job.guided)
-                if job.guided is not None
-                else grammar_for(
-                    job.response_format, job.tools, job.tool_choice, job.parallel_tool_calls is not False
-                )
+        # (a body's nesting is bounded where it is parsed, far below what building these recurses to)
+        grammar = (
+            guided_grammar(job.guided)
+            if job.guided is not None
+            else grammar_for(
+                job.response_format, job.tools, job.tool_choice, job.parallel_tool_calls is not False
             )
-        except RecursionError:  # a schema nested past what Python's JSON writer recurses through
-            param = next(iter(job.guided)) if job.guided else "tools" if job.tools else "response_format"
-            raise bad_request("The schema is nested too deeply to compile.", param=param) from None
+        )
         prediction = None
         if job.prediction is not None:
             tok = self.engine.tokenizer(job.model)
